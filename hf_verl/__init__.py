@@ -1,0 +1,47 @@
+"""hf_verl: reinforcement-learning post-training of LLMs inside the Hugging Face ecosystem.
+
+`import hf_verl` is light: the trainers, engines and reward sources (which import torch and
+transformers) load on first attribute access through :func:`__getattr__`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY: dict[str, str] = {
+    "GRPOConfig": "hf_verl.trainers.grpo_config",
+    "GRPOTrainer": "hf_verl.trainers.grpo_trainer",
+    "RLConfig": "hf_verl.trainers.rl_config",
+    "RolloutBatch": "hf_verl.data.batch",
+    "RolloutEngine": "hf_verl.rollout.base",
+    "SamplingParams": "hf_verl.rollout.base",
+    "GenerationOutput": "hf_verl.rollout.base",
+    "TransformersEngine": "hf_verl.rollout.hf_engine",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hf_verl.data.batch import RolloutBatch
+    from hf_verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+    from hf_verl.rollout.hf_engine import TransformersEngine
+    from hf_verl.trainers.grpo_config import GRPOConfig
+    from hf_verl.trainers.grpo_trainer import GRPOTrainer
+    from hf_verl.trainers.rl_config import RLConfig
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_verl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

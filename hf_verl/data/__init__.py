@@ -1,0 +1,1 @@
+"""The rollout batch and prompt-dataset preparation."""

@@ -1,0 +1,214 @@
+"""The typed rollout batch that crosses every role boundary (rollout, reward, reference, critic, actor).
+
+Layout: prompts are *left*-padded ``(B, P)`` and completions *right*-padded ``(B, C)``, so that
+``cat([prompt_ids, completion_ids], 1)`` is a valid causal-LM input whose last ``C`` positions are
+the completion. Per-token tensors are ``(B, C)``, per-sample tensors ``(B,)``. All shape, dtype
+and device checks live in :meth:`RolloutBatch.validate`; every producer calls it once, so no
+consumer re-checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# field name -> (rank, kind) where kind is "long", "mask" or "float"
+_TENSOR_SPEC: dict[str, tuple[str, str]] = {
+    "prompt_ids": ("BP", "long"),
+    "prompt_mask": ("BP", "mask"),
+    "completion_ids": ("BC", "long"),
+    "completion_mask": ("BC", "mask"),
+    "sampling_logprobs": ("BC", "float"),
+    "old_logprobs": ("BC", "float"),
+    "ref_logprobs": ("BC", "float"),
+    "values": ("BC", "float"),
+    "token_rewards": ("BC", "float"),
+    "returns": ("BC", "float"),
+    "rewards": ("B", "float"),
+    "advantages": ("B|BC", "float"),
+    "weight_version": ("B", "long"),
+    "is_truncated": ("B", "mask"),
+}
+
+
+@dataclass
+class RolloutBatch:
+    """Token ids, masks and per-token / per-sample statistics of a batch of completions.
+
+    Required: `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`. Everything else is
+    filled in by later phases (`None` until then). `meta` holds the non-tensor side (prompt and
+    completion texts, extra dataset columns, a trace id), each list aligned with the batch.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    sampling_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    weight_version: torch.Tensor | None = None
+    is_truncated: torch.Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_lists(
+        cls,
+        prompt_ids: Sequence[Sequence[int]],
+        completion_ids: Sequence[Sequence[int]],
+        pad_token_id: int,
+        *,
+        sampling_logprobs: Sequence[Sequence[float]] | None = None,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> RolloutBatch:
+        """Pad ragged prompt/completion id lists into a batch (prompts left, completions right)."""
+        if len(prompt_ids) != len(completion_ids):
+            raise ValueError(
+                f"{len(prompt_ids)} prompts but {len(completion_ids)} completions."
+            )
+        p_ids, p_mask = pad_sequences(prompt_ids, pad_token_id, side="left", device=device)
+        c_ids, c_mask = pad_sequences(completion_ids, pad_token_id, side="right", device=device)
+        if sampling_logprobs is not None:
+            lp, _ = pad_sequences(sampling_logprobs, 0.0, side="right", device=device,
+                                  dtype=torch.float32, width=c_ids.shape[1])
+            kwargs["sampling_logprobs"] = lp
+        batch = cls(p_ids, p_mask, c_ids, c_mask, **kwargs)
+        batch.validate()
+        return batch
+
+    # ------------------------------------------------------------------ views
+    @property
+    def batch_size(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.prompt_ids.device
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    def tensor_fields(self) -> dict[str, torch.Tensor]:
+        return {
+            name: getattr(self, name)
+            for name in _TENSOR_SPEC
+            if getattr(self, name) is not None
+        }
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> RolloutBatch:
+        """Check every present tensor's rank, shape, dtype and device; raise with the field name."""
+        B, P = _shape2(self.prompt_ids, "prompt_ids")
+        _, C = _shape2(self.completion_ids, "completion_ids")
+        device = self.prompt_ids.device
+        dims = {"B": (B,), "BP": (B, P), "BC": (B, C)}
+        for name, tensor in self.tensor_fields().items():
+            rank, kind = _TENSOR_SPEC[name]
+            allowed = [dims[r] for r in rank.split("|")]
+            if tuple(tensor.shape) not in allowed:
+                want = " or ".join(str(a) for a in allowed)
+                raise ValueError(
+                    f"RolloutBatch.{name} has shape {tuple(tensor.shape)}, expected {want} "
+                    f"(batch={B}, prompt_len={P}, completion_len={C})."
+                )
+            if tensor.device != device:
+                raise ValueError(
+                    f"RolloutBatch.{name} is on {tensor.device} but prompt_ids is on {device}; "
+                    "move the batch with .to(device)."
+                )
+            if kind == "long" and tensor.dtype != torch.long:
+                raise TypeError(f"RolloutBatch.{name} must be int64, got {tensor.dtype}.")
+            if kind == "mask" and tensor.dtype not in (torch.long, torch.bool, torch.int32):
+                raise TypeError(f"RolloutBatch.{name} must be an integer or bool mask, got {tensor.dtype}.")
+            if kind == "float" and not tensor.is_floating_point():
+                raise TypeError(f"RolloutBatch.{name} must be floating point, got {tensor.dtype}.")
+        for key, value in self.meta.items():
+            if isinstance(value, list) and len(value) != B:
+                raise ValueError(f"RolloutBatch.meta[{key!r}] has {len(value)} items for a batch of {B}.")
+        return self
+
+    # ------------------------------------------------------------------ moves and slicing
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> RolloutBatch:
+        """Move every tensor to `device`; `dtype`, if given, applies to floating tensors only."""
+        changes = {}
+        for name, tensor in self.tensor_fields().items():
+            target_dtype = dtype if (dtype is not None and tensor.is_floating_point()) else None
+            changes[name] = tensor.to(device=device, dtype=target_dtype)
+        return dataclasses.replace(self, **changes)
+
+    def select(self, index: torch.Tensor | slice | Sequence[int]) -> RolloutBatch:
+        """Rows `index` of every tensor and of every per-sample list in `meta`."""
+        if isinstance(index, slice):
+            rows = list(range(self.batch_size))[index]
+        elif isinstance(index, torch.Tensor):
+            rows = index.tolist()
+        else:
+            rows = list(index)
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        changes: dict[str, Any] = {n: t.index_select(0, idx) for n, t in self.tensor_fields().items()}
+        changes["meta"] = {
+            k: ([v[i] for i in rows] if isinstance(v, list) else v) for k, v in self.meta.items()
+        }
+        return dataclasses.replace(self, **changes)
+
+    def split(self, size: int) -> list[RolloutBatch]:
+        """Consecutive chunks of at most `size` rows (micro-batches)."""
+        if size < 1:
+            raise ValueError(f"split size must be >= 1, got {size}.")
+        return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
+
+
+def pad_sequences(
+    seqs: Sequence[Sequence[int | float]],
+    pad_value: int | float,
+    *,
+    side: str,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.long,
+    width: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad ragged sequences to one width. Returns (values, mask) with mask 1 on real entries."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}.")
+    width = max((len(s) for s in seqs), default=0) if width is None else width
+    out = torch.full((len(seqs), width), pad_value, dtype=dtype)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        n = len(s)
+        if n == 0:
+            continue
+        if n > width:
+            raise ValueError(f"sequence {i} has length {n} > pad width {width}.")
+        sl = slice(width - n, width) if side == "left" else slice(0, n)
+        out[i, sl] = torch.as_tensor(list(s), dtype=dtype)
+        mask[i, sl] = 1
+    if device is not None:
+        out, mask = out.to(device), mask.to(device)
+    return out, mask
+
+
+def _shape2(tensor: torch.Tensor, name: str) -> tuple[int, int]:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"RolloutBatch.{name} must be a 2-D tensor (batch, length), got {shape}.")
+    return tensor.shape[0], tensor.shape[1]

@@ -1,0 +1,1 @@
+"""Parallel layouts and distributed helpers."""

@@ -1,0 +1,1 @@
+"""Reward sources behind one interface: callables, Hub reward models, rule scorers."""

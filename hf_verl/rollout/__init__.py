@@ -1,0 +1,1 @@
+"""Rollout engines behind one interface (:class:`~hf_verl.rollout.base.RolloutEngine`)."""

@@ -1,0 +1,147 @@
+"""The `RolloutEngine` interface: what every generation backend offers a trainer.
+
+A trainer never knows whether generation runs in plain transformers, in-process vLLM or behind
+an HTTP server. It tokenises prompts itself, hands the engine token ids plus
+:class:`SamplingParams`, and gets back a :class:`GenerationOutput` of completion token ids, the
+log-probability of each sampled token and a finish reason per sample. After an optimizer step
+it streams the new weights with :meth:`RolloutEngine.sync_weights`.
+
+Log-prob convention (shared by every engine so that importance ratios are comparable): the
+log-probability of the sampled token under the *temperature-scaled* distribution
+``log_softmax(logits / temperature)``, before top-k / top-p / min-p truncation and before the
+repetition penalty. That is exactly what the trainer recomputes for the same tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+FINISH_STOP = "stop"  # end-of-sequence token or a stop string was produced
+FINISH_LENGTH = "length"  # max_new_tokens was reached first
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample completions.
+
+    Args:
+        max_new_tokens (`int`): maximum number of tokens generated per completion.
+        temperature (`float`, defaults to `1.0`): softmax temperature; `0.0` means greedy.
+        top_p (`float`, defaults to `1.0`): nucleus sampling mass; `1.0` disables it.
+        top_k (`int`, defaults to `0`): keep only the k most likely tokens; `0` disables it.
+        min_p (`float`, *optional*): drop tokens whose probability is below `min_p` times the
+            most likely token's; `None` disables it.
+        repetition_penalty (`float`, defaults to `1.0`): CTRL-style penalty on tokens already in
+            the prompt or completion; `1.0` disables it.
+        stop (`tuple[str, ...]`, defaults to `()`): strings that end a completion (the stop
+            string is kept in the completion).
+        seed (`int`, *optional*): seed for this call's sampling, for reproducible rollouts.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.temperature < 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}.")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p}.")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        if isinstance(self.stop, str):  # a bare string would be iterated per character
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerationOutput:
+    """One completion per prompt handed to :meth:`RolloutEngine.generate`, in the same order.
+
+    Args:
+        completion_ids (`list[list[int]]`): generated token ids, without the prompt and without
+            padding; the end-of-sequence token is kept when it was produced.
+        logprobs (`list[list[float]]`): per generated token, its log-probability under the
+            temperature-scaled distribution (see the module docstring); same lengths as
+            `completion_ids`. For greedy decoding the temperature is taken as 1.
+        finish_reasons (`list[str]`): `"stop"` (EOS or a stop string) or `"length"`.
+        weight_version (`int`): the engine's weight version the completions were generated with.
+    """
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    weight_version: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n or len(self.finish_reasons) != n:
+            raise ValueError(
+                f"GenerationOutput fields disagree: {n} completions, {len(self.logprobs)} log-prob "
+                f"lists, {len(self.finish_reasons)} finish reasons."
+            )
+        for i, (ids, lps) in enumerate(zip(self.completion_ids, self.logprobs)):
+            if len(ids) != len(lps):
+                raise ValueError(
+                    f"completion {i} has {len(ids)} tokens but {len(lps)} log-probs."
+                )
+        bad = set(self.finish_reasons) - {FINISH_STOP, FINISH_LENGTH}
+        if bad:
+            raise ValueError(f"unknown finish reasons {sorted(bad)}; expected 'stop' or 'length'.")
+
+
+class RolloutEngine(abc.ABC):
+    """A generation backend.
+
+    Subclasses implement :meth:`generate` and :meth:`sync_weights`. The engine owns a monotonically
+    increasing :attr:`weight_version`, bumped by every successful sync, and reports it with every
+    generation so that asynchronous rollout can bound staleness.
+    """
+
+    def __init__(self) -> None:
+        self._weight_version = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @abc.abstractmethod
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> GenerationOutput:
+        """Generate one completion per prompt (prompts are token id lists, no padding)."""
+
+    @abc.abstractmethod
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights given as (HF parameter name, full tensor) pairs, then bump the version.
+
+        Engines that share the trainer's model object may treat this as a version bump only.
+        """
+
+    def _bump_version(self) -> None:
+        self._weight_version += 1
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release engine resources (processes, servers, memory). Safe to call twice."""

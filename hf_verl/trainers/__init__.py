@@ -1,0 +1,1 @@
+"""The TRL-compatible trainers and their configs."""
