@@ -1,0 +1,42 @@
+"""GRPOConfig: TRL's defaults and the validation messages."""
+
+import pytest
+
+from hf_verl.trainers.grpo_config import GRPOConfig
+
+
+def _cfg(tmp_path, **kw):
+    kw.setdefault("per_device_train_batch_size", 8)
+    return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+
+
+def test_trl_defaults(tmp_path):
+    c = _cfg(tmp_path)
+    assert (c.learning_rate, c.num_generations, c.loss_type, c.scale_rewards) == (1e-6, 8, "dapo", "group")
+    assert c.beta == 0.0 and c.epsilon == 0.2 and c.gradient_checkpointing and not c.bf16
+    assert c.generation_batch_size == 8 and c.steps_per_generation == 1
+
+
+def test_generation_batch_resolution(tmp_path):
+    c = _cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, steps_per_generation=3)
+    assert c.generation_batch_size == 12
+    c = _cfg(tmp_path, per_device_train_batch_size=4, num_generations=4, generation_batch_size=16)
+    assert c.steps_per_generation == 4
+    assert _cfg(tmp_path, scale_rewards=False).scale_rewards == "none"
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"num_generations": 1}, "num_generations must be >= 2"),
+        ({"num_generations": 3}, "not divisible by num_generations=3"),
+        ({"loss_type": "ppo"}, "unknown loss_type 'ppo'"),
+        ({"scale_rewards": "always"}, "scale_rewards must be one of"),
+        ({"generation_batch_size": 12}, "must be a multiple of"),
+        ({"use_vllm": True}, "set use_vllm=False"),
+        ({"beta": -0.1}, "beta must be >= 0"),
+    ],
+)
+def test_bad_configs_say_what_to_change(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(tmp_path, **kw)
