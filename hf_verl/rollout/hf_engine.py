@@ -1,0 +1,227 @@
+"""A :class:`~hf_verl.rollout.base.RolloutEngine` backed by plain transformers ``model.generate``.
+
+The simplest engine: it runs generation on the very model object the trainer optimises (or on a
+separate copy that receives weights through :meth:`TransformersEngine.sync_weights`). It is slow
+compared to vLLM but has no extra dependencies and is exact, which makes it the reference engine
+for tests.
+
+Log-probs follow the convention of :mod:`hf_verl.rollout.base`: each sampled token's
+log-probability under ``log_softmax(raw_logits / temperature)`` (temperature 1 for greedy), computed
+from the raw logits that ``generate`` returns with ``output_logits=True`` (before any logits
+processor such as top-k, top-p, min-p or the repetition penalty).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from hf_verl.rollout.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TransformersEngine(RolloutEngine):
+    """Generation with ``transformers``' ``model.generate``.
+
+    Args:
+        model (`transformers.PreTrainedModel`): a causal language model.
+        tokenizer (`transformers.PreTrainedTokenizerBase`): its tokenizer; used for the padding and
+            end-of-sequence ids and for stop-string matching.
+        batch_size (`int`, *optional*): number of prompts per ``generate`` call; `None` runs all
+            prompts in one call.
+    """
+
+    def __init__(self, model, tokenizer, *, batch_size: int | None = None) -> None:
+        super().__init__()
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}.")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(model.generation_config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            self.eos_token_ids = set(int(e) for e in eos)
+        else:
+            self.eos_token_ids = set() if eos is None else {int(eos)}
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = min(self.eos_token_ids) if self.eos_token_ids else 0
+        self.pad_token_id = int(pad)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> GenerationOutput:
+        """Generate one completion per prompt.
+
+        Args:
+            prompt_ids (`Sequence[Sequence[int]]`): prompt token ids, one list per prompt, unpadded.
+            sampling ([`SamplingParams`]): how to sample.
+
+        Returns:
+            [`GenerationOutput`]: completions (EOS kept, padding dropped), per-token log-probs,
+            finish reasons and the weight version used.
+        """
+        prompts = [list(map(int, p)) for p in prompt_ids]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt must contain at least one token.")
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        step = self.batch_size or max(len(prompts), 1)
+        completions: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        reasons: list[str] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(0, len(prompts), step):
+                    ids, lps, rs = self._generate_chunk(prompts[start : start + step], sampling)
+                    completions += ids
+                    logprobs += lps
+                    reasons += rs
+        finally:
+            if was_training:
+                self.model.train()
+        return GenerationOutput(
+            completion_ids=completions,
+            logprobs=logprobs,
+            finish_reasons=reasons,
+            weight_version=self.weight_version,
+        )
+
+    def _device(self) -> torch.device:
+        try:
+            return next(self.model.parameters()).device
+        except StopIteration:
+            return torch.device("cpu")
+
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams):
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[i, width - len(p) :] = 1
+        device = self._device()
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+
+        kwargs = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not sampling.greedy,
+            repetition_penalty=sampling.repetition_penalty,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        if self.eos_token_ids:
+            kwargs["eos_token_id"] = sorted(self.eos_token_ids)
+        if not sampling.greedy:
+            # top_k=0 (not None) so generate does not fall back to generation_config's default
+            kwargs.update(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                min_p=sampling.min_p,
+            )
+        if sampling.stop:
+            kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
+        out = self.model.generate(**kwargs)
+
+        generated = out.sequences[:, width:]
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        if generated.shape[1] > 0:
+            logits = torch.stack(out.logits, dim=1).float()  # (B, T, V), raw logits
+            token_lps = torch.log_softmax(logits / temperature, dim=-1)
+            token_lps = token_lps.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        else:
+            token_lps = torch.zeros_like(generated, dtype=torch.float)
+
+        ids_out, lps_out, reasons = [], [], []
+        for row, row_lps in zip(generated.tolist(), token_lps.tolist()):
+            ids, lps, reason = self._postprocess(row, row_lps, sampling)
+            ids_out.append(ids)
+            lps_out.append(lps)
+            reasons.append(reason)
+        return ids_out, lps_out, reasons
+
+    def _postprocess(self, ids: list[int], lps: list[float], sampling: SamplingParams):
+        """Cut after the first EOS or the first completed stop string; drop trailing padding."""
+        reason = FINISH_LENGTH
+        for j, tok in enumerate(ids):
+            if tok in self.eos_token_ids:
+                ids, lps, reason = ids[: j + 1], lps[: j + 1], FINISH_STOP
+                break
+        else:
+            if self.pad_token_id not in self.eos_token_ids:
+                # generate pads sequences that finished early (e.g. on a stop string)
+                n = len(ids)
+                while n > 0 and ids[n - 1] == self.pad_token_id:
+                    n -= 1
+                if n < len(ids):
+                    ids, lps = ids[:n], lps[:n]
+        if sampling.stop:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if any(s in text for s in sampling.stop):
+                # smallest prefix whose decoded text contains a stop string
+                for k in range(1, len(ids) + 1):
+                    prefix = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+                    if any(s in prefix for s in sampling.stop):
+                        ids, lps, reason = ids[:k], lps[:k], FINISH_STOP
+                        break
+        return ids, lps, reason
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights into the model by HF parameter name, then bump the weight version.
+
+        Tensors that already are the model's own storage (a shared trainer/engine model) are
+        skipped, so for a shared model this is just a version bump.
+
+        Args:
+            named_tensors (`Iterable[tuple[str, torch.Tensor]]`): (name, full tensor) pairs, with
+                names as in ``model.state_dict()``.
+
+        Raises:
+            ValueError: if a name is not a parameter or buffer of the model, or a shape differs.
+        """
+        targets = self.model.state_dict(keep_vars=True)
+        pairs = list(named_tensors)
+        unknown = [name for name, _ in pairs if name not in targets]
+        if unknown:
+            raise ValueError(
+                f"sync_weights got {len(unknown)} unknown parameter name(s): {unknown[:10]}"
+                + (" ..." if len(unknown) > 10 else "")
+            )
+        for name, tensor in pairs:
+            if tuple(targets[name].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"sync_weights: shape mismatch for {name!r}: model has "
+                    f"{tuple(targets[name].shape)}, got {tuple(tensor.shape)}."
+                )
+        copied = 0
+        with torch.no_grad():
+            for name, tensor in pairs:
+                target = targets[name]
+                if target.data_ptr() == tensor.data_ptr() and target.device == tensor.device:
+                    continue
+                target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+                copied += 1
+        self._bump_version()
+        logger.debug("sync_weights: copied %d of %d tensors; weight_version=%d",
+                     copied, len(pairs), self.weight_version)
