@@ -1,0 +1,105 @@
+"""Reward functions called as TRL does, validated, and combined with weights.
+
+A reward function is called ``f(prompts=..., completions=..., completion_ids=..., **columns)``
+and returns one float (or None: "not applicable") per sample. Async functions run concurrently.
+Every result is checked here, once: a wrong length, a non-number, NaN or inf is an error naming
+the function and the sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def reward_func_name(func: Any) -> str:
+    """The name used in metrics (`rewards/<name>/mean`)."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _run_coroutines(coros: list) -> list:
+    async def gather():
+        return await asyncio.gather(*coros)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from inside a running loop
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def _check(name: str, result: Any, n: int) -> list[float]:
+    if isinstance(result, (str, bytes)) or not isinstance(result, Sequence) and not isinstance(result, torch.Tensor):
+        raise ValueError(f"reward function {name!r} must return a list of floats, got {type(result).__name__}.")
+    values = result.tolist() if isinstance(result, torch.Tensor) else list(result)
+    if len(values) != n:
+        raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {n} samples; expected {n}.")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ValueError(
+                f"reward function {name!r} returned a non-number for sample {i}: {type(v).__name__} {v!r}."
+            )
+        if not math.isfinite(float(v)):
+            raise ValueError(
+                f"reward function {name!r} returned {v} for sample {i}; return a finite float, or None "
+                "when the reward does not apply."
+            )
+        out.append(float(v))
+    return out
+
+
+def score_reward_funcs(
+    reward_funcs: Sequence[Any],
+    *,
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    columns: dict[str, list] | None = None,
+) -> torch.Tensor:
+    """Scores of every function on every sample, `(N, F)` float32, NaN where a function gave None."""
+    n = len(completions)
+    kwargs = dict(columns or {})
+    results: list[Any] = []
+    pending: dict[int, Any] = {}
+    for j, func in enumerate(reward_funcs):
+        res = func(prompts=list(prompts), completions=list(completions),
+                   completion_ids=list(completion_ids), **kwargs)
+        if inspect.isawaitable(res):
+            pending[j] = res
+        results.append(res)
+    if pending:
+        for j, value in zip(pending, _run_coroutines(list(pending.values()))):
+            results[j] = value
+    cols = [_check(reward_func_name(f), r, n) for f, r in zip(reward_funcs, results)]
+    return torch.tensor(cols, dtype=torch.float32).T.reshape(n, len(reward_funcs))
+
+
+def combine_rewards(per_func: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """Weighted sum over functions, ignoring None (NaN) entries; all-None samples get 0 (warned)."""
+    num = per_func.shape[1]
+    if weights is None:
+        w = torch.ones(num, dtype=per_func.dtype, device=per_func.device)
+    else:
+        if len(weights) != num:
+            raise ValueError(f"reward_weights has {len(weights)} entries but there are {num} reward functions.")
+        w = torch.as_tensor(list(weights), dtype=per_func.dtype, device=per_func.device)
+    all_none = per_func.isnan().all(dim=1)
+    if all_none.any():
+        logger.warning("%d samples got None from every reward function; their reward is 0.",
+                       int(all_none.sum()))
+    return (per_func * w).nansum(dim=1)
