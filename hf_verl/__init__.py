@@ -15,7 +15,6 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "GRPOConfig": "hf_verl.trainers.grpo_config",
     "GRPOTrainer": "hf_verl.trainers.grpo_trainer",
-    "RLConfig": "hf_verl.trainers.rl_config",
     "RolloutBatch": "hf_verl.data.batch",
     "RolloutEngine": "hf_verl.rollout.base",
     "SamplingParams": "hf_verl.rollout.base",
@@ -31,7 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from hf_verl.rollout.hf_engine import TransformersEngine
     from hf_verl.trainers.grpo_config import GRPOConfig
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
-    from hf_verl.trainers.rl_config import RLConfig
 
 
 def __getattr__(name: str) -> Any:

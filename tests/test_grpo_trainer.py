@@ -61,3 +61,30 @@ def test_missing_prompt_column_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"no 'prompt' column; columns present: \['question'\]"):
         GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path),
                     train_dataset=Dataset.from_dict({"question": ["a"]}), processing_class=tok)
+
+
+def test_grpo_with_lora_uses_disabled_adapters_as_reference(tmp_path):
+    from peft import LoraConfig
+
+    tok = build_char_tokenizer()
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz"] * 4})
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path, beta=0.1, max_steps=2),
+                          train_dataset=ds, processing_class=tok,
+                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert trainer.ref_model is None
+    lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert lora and all("lora" in n for n in lora)
+    trainer.train()
+    changed = [n for n, p in trainer.model.named_parameters() if n in lora and not torch.equal(p, lora[n])]
+    assert any("lora_B" in n for n in changed)
+    assert "kl" in [h for h in trainer.state.log_history if "loss" in h][0]
+
+
+@pytest.mark.parametrize("kw, match", [({"num_generations": 4, "per_device_train_batch_size": 6},
+                                        "not divisible by num_generations=4"),
+                                       ({"num_iterations": 2}, "num_iterations=1 only")])
+def test_unsupported_layouts_are_refused(tmp_path, kw, match):
+    tok = build_char_tokenizer()
+    with pytest.raises(ValueError, match=match):
+        GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path, **kw),
+                    train_dataset=Dataset.from_dict({"prompt": ["a"]}), processing_class=tok)
