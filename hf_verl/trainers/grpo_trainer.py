@@ -146,7 +146,9 @@ class GRPOTrainer(Trainer):
                             self.args.shuffle_dataset, self.args.seed)
 
     # ------------------------------------------------------------------ phases
-    def _prepare_inputs(self, rows: list[dict]) -> RolloutBatch:
+    def _prepare_inputs(self, rows: list[dict] | RolloutBatch) -> RolloutBatch:
+        if isinstance(rows, RolloutBatch):  # already rolled out by training_step
+            return rows
         t0 = time.perf_counter()
         prompts = [r["prompt"] for r in rows]
         tok = tokenize_prompts(prompts, self.processing_class, self.args.max_prompt_length)
@@ -231,6 +233,7 @@ class GRPOTrainer(Trainer):
         return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        inputs = self._prepare_inputs(inputs)  # rollout phases, timed separately
         t0 = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._metrics["timing_s/update"].append(time.perf_counter() - t0)
