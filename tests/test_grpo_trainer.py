@@ -88,3 +88,24 @@ def test_unsupported_layouts_are_refused(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path, **kw),
                     train_dataset=Dataset.from_dict({"prompt": ["a"]}), processing_class=tok)
+
+
+@pytest.mark.slow
+def test_resume_logs_the_same_losses(tmp_path):
+    tok = build_char_tokenizer()
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab"] * 4})
+
+    def losses(trainer):
+        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, seed=7)
+    full = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path / "a", **kw),
+                       train_dataset=ds, processing_class=tok)
+    full.train()
+    resumed = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path / "a", **kw),
+                          train_dataset=ds, processing_class=tok)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    want, got = losses(full), losses(resumed)
+    assert sorted(got) == [1, 2, 3, 4]  # 1-2 restored from the checkpoint, 3-4 recomputed
+    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5, abs=1e-7)
+    assert got[3] != got[4]

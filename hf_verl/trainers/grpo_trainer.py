@@ -112,6 +112,11 @@ class GRPOTrainer(Trainer):
                 "this release supports steps_per_generation=1 and num_iterations=1 only; got "
                 f"steps_per_generation={args.steps_per_generation}, num_iterations={args.num_iterations}."
             )
+        if args.world_size > 1:
+            raise ValueError(
+                f"this release of GRPOTrainer runs in one process; got world_size={args.world_size}. "
+                "Launch with `python train.py` (multi-process data parallelism is the next step)."
+            )
         if args.per_device_train_batch_size % args.num_generations:
             raise ValueError(
                 f"per_device_train_batch_size ({args.per_device_train_batch_size}) must hold whole groups "
