@@ -20,6 +20,9 @@ _LAZY: dict[str, str] = {
     "SamplingParams": "hf_verl.rollout.base",
     "GenerationOutput": "hf_verl.rollout.base",
     "TransformersEngine": "hf_verl.rollout.hf_engine",
+    "RewardModelScorer": "hf_verl.rewards.reward_model",
+    "math_accuracy": "hf_verl.rewards.rules",
+    "gsm8k_accuracy": "hf_verl.rewards.rules",
 }
 
 __all__ = ["__version__", *_LAZY]
