@@ -1,14 +1,19 @@
-"""A :class:`~hf_verl.rollout.base.RolloutEngine` backed by plain transformers ``model.generate``.
+"""A :class:`~hf_verl.rollout.base.RolloutEngine` backed by plain transformers models.
 
 The simplest engine: it runs generation on the very model object the trainer optimises (or on a
 separate copy that receives weights through :meth:`TransformersEngine.sync_weights`). It is slow
 compared to vLLM but has no extra dependencies and is exact, which makes it the reference engine
 for tests.
 
+Two decode paths. By default a lean KV-cached loop (left-padded prefill, then one forward per
+token with :mod:`hf_verl.rollout.sampling` picking tokens), which avoids ``generate``'s per-token
+logits-processor, stopping-criteria and bookkeeping overhead that dominates for small models.
+``model.generate`` is used when stop strings are set, or always with ``use_generate=True``.
+
 Log-probs follow the convention of :mod:`hf_verl.rollout.base`: each sampled token's
 log-probability under ``log_softmax(raw_logits / temperature)`` (temperature 1 for greedy), computed
-from the raw logits that ``generate`` returns with ``output_logits=True`` (before any logits
-processor such as top-k, top-p, min-p or the repetition penalty).
+from the raw logits (before top-k, top-p, min-p or the repetition penalty); with ``generate`` those
+are the ones it returns with ``output_logits=True``.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ from hf_verl.rollout.base import (
     RolloutEngine,
     SamplingParams,
 )
+from hf_verl.rollout.sampling import sample_next
 
 logger = logging.getLogger(__name__)
 
 
 class TransformersEngine(RolloutEngine):
-    """Generation with ``transformers``' ``model.generate``.
+    """Generation with a transformers causal LM: a lean KV-cached loop, or ``model.generate``.
 
     Args:
         model (`transformers.PreTrainedModel`): a causal language model.
@@ -38,15 +44,19 @@ class TransformersEngine(RolloutEngine):
             end-of-sequence ids and for stop-string matching.
         batch_size (`int`, *optional*): number of prompts per ``generate`` call; `None` runs all
             prompts in one call.
+        use_generate (`bool`, defaults to `False`): always decode with ``model.generate`` instead
+            of the lean loop (which is used whenever no stop strings are set).
     """
 
-    def __init__(self, model, tokenizer, *, batch_size: int | None = None) -> None:
+    def __init__(self, model, tokenizer, *, batch_size: int | None = None,
+                 use_generate: bool = False) -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}.")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.use_generate = use_generate
         eos = tokenizer.eos_token_id
         if eos is None:
             eos = getattr(model.generation_config, "eos_token_id", None)
@@ -108,7 +118,7 @@ class TransformersEngine(RolloutEngine):
         except StopIteration:
             return torch.device("cpu")
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams):
+    def _left_pad(self, prompts: list[list[int]]):
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -116,8 +126,71 @@ class TransformersEngine(RolloutEngine):
             input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p) :] = 1
         device = self._device()
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        return input_ids.to(device), attention_mask.to(device)
 
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams):
+        input_ids, attention_mask = self._left_pad(prompts)
+        if self.use_generate or sampling.stop:
+            generated, token_lps = self._decode_with_generate(input_ids, attention_mask, sampling)
+        else:
+            generated, token_lps = self._decode_loop(input_ids, attention_mask, sampling)
+
+        ids_out, lps_out, reasons = [], [], []
+        for row, row_lps in zip(generated.tolist(), token_lps.tolist()):
+            ids, lps, reason = self._postprocess(row, row_lps, sampling)
+            ids_out.append(ids)
+            lps_out.append(lps)
+            reasons.append(reason)
+        return ids_out, lps_out, reasons
+
+    def _decode_loop(self, input_ids, attention_mask, sampling: SamplingParams):
+        """KV-cached decode: one prefill, then one single-token forward per step.
+
+        Rows that emitted EOS keep emitting padding (log-prob 0); the loop ends once every row has
+        finished or `max_new_tokens` is reached.
+
+        Returns:
+            `tuple[torch.LongTensor, torch.Tensor]`: generated ids and their log-probs, `(B, T)`.
+        """
+        batch = input_ids.shape[0]
+        device = input_ids.device
+        eos = torch.tensor(sorted(self.eos_token_ids), dtype=torch.long, device=device)
+        pad = torch.full((batch,), self.pad_token_id, dtype=torch.long, device=device)
+        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        seq, mask = input_ids, attention_mask
+        needs_prev = sampling.repetition_penalty != 1.0
+        step_ids, step_lps = [], []
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1)
+        for t in range(sampling.max_new_tokens):
+            logits = out.logits[:, -1]
+            next_ids, lps = sample_next(logits, sampling, prev_ids=seq if needs_prev else None,
+                                        prev_mask=mask if needs_prev else None)
+            next_ids = torch.where(unfinished, next_ids, pad)
+            lps = lps.masked_fill(~unfinished, 0.0)
+            step_ids.append(next_ids)
+            step_lps.append(lps)
+            if eos.numel():
+                unfinished = unfinished & ~torch.isin(next_ids, eos)
+            if t + 1 == sampling.max_new_tokens or not bool(unfinished.any()):
+                break
+            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=-1)
+            if needs_prev:
+                seq = torch.cat([seq, next_ids[:, None]], dim=-1)
+            position_ids = position_ids[:, -1:] + 1
+            out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
+                             position_ids=position_ids, past_key_values=out.past_key_values,
+                             use_cache=True, logits_to_keep=1)
+        return torch.stack(step_ids, dim=1), torch.stack(step_lps, dim=1)
+
+    def _decode_with_generate(self, input_ids, attention_mask, sampling: SamplingParams):
+        """Decode with ``model.generate`` (needed for stop strings); raw logits give the log-probs.
+
+        Returns:
+            `tuple[torch.LongTensor, torch.Tensor]`: generated ids and their log-probs, `(B, T)`.
+        """
+        width = input_ids.shape[1]
         kwargs = dict(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -150,14 +223,7 @@ class TransformersEngine(RolloutEngine):
             token_lps = token_lps.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
         else:
             token_lps = torch.zeros_like(generated, dtype=torch.float)
-
-        ids_out, lps_out, reasons = [], [], []
-        for row, row_lps in zip(generated.tolist(), token_lps.tolist()):
-            ids, lps, reason = self._postprocess(row, row_lps, sampling)
-            ids_out.append(ids)
-            lps_out.append(lps)
-            reasons.append(reason)
-        return ids_out, lps_out, reasons
+        return generated, token_lps
 
     def _postprocess(self, ids: list[int], lps: list[float], sampling: SamplingParams):
         """Cut after the first EOS or the first completed stop string; drop trailing padding."""
