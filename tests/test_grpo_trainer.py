@@ -82,7 +82,8 @@ def test_grpo_with_lora_uses_disabled_adapters_as_reference(tmp_path):
 
 @pytest.mark.parametrize("kw, match", [({"num_generations": 4, "per_device_train_batch_size": 6},
                                         "not divisible by num_generations=4"),
-                                       ({"num_iterations": 2}, "num_iterations=1 only")])
+                                       ({"num_generations": 2, "per_device_train_batch_size": 4},
+                                        "has 1 prompts but one generation round needs 2")])
 def test_unsupported_layouts_are_refused(tmp_path, kw, match):
     tok = build_char_tokenizer()
     with pytest.raises(ValueError, match=match):
@@ -109,3 +110,40 @@ def test_resume_logs_the_same_losses(tmp_path):
     assert sorted(got) == [1, 2, 3, 4]  # 1-2 restored from the checkpoint, 3-4 recomputed
     assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5, abs=1e-7)
     assert got[3] != got[4]
+
+
+def test_generation_round_is_reused_with_exact_old_logprobs(tmp_path):
+    """steps_per_generation=2 x num_iterations=2: one rollout feeds 4 micro-steps (2 optimizer
+    steps), and the recorded old log-probs are the generating policy's (= the engine's)."""
+    tok = build_char_tokenizer()
+    calls = []
+
+    def counting(completions, **kwargs):
+        calls.append(len(completions))
+        return count_a(completions)
+
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab"] * 2})
+    args = _args(tmp_path, max_steps=5, steps_per_generation=2, num_iterations=2, learning_rate=1e-2)
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=counting, args=args, train_dataset=ds,
+                          processing_class=tok)
+    assert args.generation_batch_size == 8
+    trainer.train()
+    # a round feeds 2 x 2 = 4 micro-steps (here 4 optimizer steps); step 5 starts a second round
+    assert calls == [8, 8]
+    mbs = trainer._buffer
+    assert len(mbs) == 2 and all(mb.batch_size == 4 for mb in mbs)
+    for mb in mbs:
+        m = mb.completion_mask.bool()
+        assert mb.old_logprobs is not None
+        assert torch.allclose(mb.old_logprobs[m], mb.sampling_logprobs[m], atol=1e-4)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 5 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+
+
+def test_one_step_rounds_need_no_old_logprobs(tmp_path):
+    tok = build_char_tokenizer()
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz"] * 4})
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path, max_steps=1),
+                          train_dataset=ds, processing_class=tok)
+    trainer.train()
+    assert trainer._buffer[0].old_logprobs is None  # ratio is 1 by construction: no extra forward

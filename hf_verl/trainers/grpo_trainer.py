@@ -4,9 +4,12 @@ Reads top to bottom as the algorithm, one method per phase: `_generate` (engine)
 (reward sources), `_reference` (KL target, only when beta > 0), `_advantages` (group-relative),
 then `compute_loss` (PPO clip + KL, aggregated per `loss_type`).
 
-Scope of this first version (see docs/grpo.md): one generation per optimizer step
-(`steps_per_generation == 1`, `num_iterations == 1`), single process; each per-device batch holds
-whole groups. These limits are checked in `__init__` with a message, never silently ignored.
+One *generation round* (`generation_batch_size` completions over all processes) is rolled out,
+scored and turned into advantages at once (rewards are gathered across processes before group
+normalisation), then served from a buffer as `steps_per_generation` micro-batches,
+`num_iterations` times. When the policy moves while a round is still being consumed, the round's
+log-probs under the generating policy are recorded first (`old_logprobs`) so that the PPO ratio
+is exact.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from hf_verl.algorithms.logprobs import logprobs_from_hidden
 from hf_verl.algorithms.policy_loss import aggregate_loss, masked_mean, ppo_clip_loss
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, tokenize_prompts
+from hf_verl.data.samplers import RepeatGroupSampler
 from hf_verl.rewards.callables import combine_rewards, reward_func_name, score_reward_funcs
 from hf_verl.rewards.reward_model import RewardModelScorer
 from hf_verl.rollout.base import FINISH_LENGTH, SamplingParams
@@ -34,24 +38,6 @@ from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.trainers.grpo_config import GRPOConfig
 
 logger = logging.getLogger(__name__)
-
-
-class GroupSampler(Sampler[int]):
-    """Yields each (shuffled) prompt index `num_generations` times in a row."""
-
-    def __init__(self, num_prompts: int, num_generations: int, shuffle: bool, seed: int) -> None:
-        self.num_prompts, self.num_generations, self.shuffle, self.seed = num_prompts, num_generations, shuffle, seed
-        self.epoch = 0
-
-    def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.num_prompts, generator=g).tolist() if self.shuffle else range(self.num_prompts)
-        self.epoch += 1
-        for idx in order:
-            yield from [idx] * self.num_generations
-
-    def __len__(self) -> int:
-        return self.num_prompts * self.num_generations
 
 
 class GRPOTrainer(Trainer):
@@ -103,25 +89,19 @@ class GRPOTrainer(Trainer):
             stop=tuple(args.stop or ()),
         )
         self._metrics: dict[str, list[float]] = defaultdict(list)
+        # model_accepts_loss_kwargs=False: the Trainer divides each micro-batch loss by the
+        # accumulation steps (our rows carry no `labels` for it to count tokens from)
+        self.model_accepts_loss_kwargs = False
+        self._buffer: list[RolloutBatch] | None = None
+        self._micro_step: int | None = None  # set from global_step on the first training_step
+        if train_dataset is not None and hasattr(train_dataset, "__len__"):
+            self._get_train_sampler()  # a dataset too small for one round fails here, not at train()
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
     def _check_scope(args: GRPOConfig) -> None:
-        if args.steps_per_generation != 1 or args.num_iterations != 1:
-            raise ValueError(
-                "this release supports steps_per_generation=1 and num_iterations=1 only; got "
-                f"steps_per_generation={args.steps_per_generation}, num_iterations={args.num_iterations}."
-            )
-        if args.world_size > 1:
-            raise ValueError(
-                f"this release of GRPOTrainer runs in one process; got world_size={args.world_size}. "
-                "Launch with `python train.py` (multi-process data parallelism is the next step)."
-            )
-        if args.per_device_train_batch_size % args.num_generations:
-            raise ValueError(
-                f"per_device_train_batch_size ({args.per_device_train_batch_size}) must hold whole groups "
-                f"of num_generations={args.num_generations}."
-            )
+        if args.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {args.vllm_mode!r}.")
 
     @staticmethod
     def _build_reward_funcs(reward_funcs, processing_classes) -> list:
@@ -146,29 +126,72 @@ class GRPOTrainer(Trainer):
         ref.requires_grad_(False)
         return ref
 
-    def _get_train_sampler(self, *args, **kwargs) -> Sampler:
-        return GroupSampler(len(self.train_dataset), self.args.num_generations,
-                            self.args.shuffle_dataset, self.args.seed)
+    def _get_train_sampler(self, train_dataset=None) -> Sampler:
+        a = self.args
+        return RepeatGroupSampler(
+            len(train_dataset if train_dataset is not None else self.train_dataset), a.num_generations,
+            chunk_size=a.per_device_train_batch_size * a.steps_per_generation, world_size=a.world_size,
+            repeat=a.steps_per_generation * a.num_iterations, shuffle=a.shuffle_dataset, seed=a.seed,
+        )
+
+    def get_train_dataloader(self):
+        """One batch per micro-step, each holding this process's whole generation round."""
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer needs a train_dataset with a 'prompt' column.")
+        return self._get_dataloader(
+            dataset=self.train_dataset, description="Training",
+            batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler, is_training=True,
+        )
 
     # ------------------------------------------------------------------ phases
-    def _prepare_inputs(self, rows: list[dict] | RolloutBatch) -> RolloutBatch:
-        if isinstance(rows, RolloutBatch):  # already rolled out by training_step
-            return rows
+    def _prepare_inputs(self, inputs):
+        return inputs  # rollouts are built by `_rollout_round`; the Trainer's tensor moving is not needed
+
+    def _rollout_round(self, rows: list[dict]) -> list[RolloutBatch]:
+        """Generate, score and compute advantages for this process's share of one round; return
+        its `steps_per_generation` micro-batches."""
+        args, acc = self.args, self.accelerator
         t0 = time.perf_counter()
         prompts = [r["prompt"] for r in rows]
-        tok = tokenize_prompts(prompts, self.processing_class, self.args.max_prompt_length)
+        tok = tokenize_prompts(prompts, self.processing_class, args.max_prompt_length)
         batch = self._generate(tok.ids, prompts, rows)
         t1 = time.perf_counter()
         rewards_per_func = self._score(batch, rows)
         t2 = time.perf_counter()
-        batch.ref_logprobs = self._reference(batch)
+        # group normalisation over the global round: a group may span processes
+        local = combine_rewards(rewards_per_func, args.reward_weights)
+        all_rewards = acc.gather(local)
+        advantages, group_std = grpo_advantages(all_rewards, args.num_generations, args.scale_rewards)
+        n, rank = local.shape[0], acc.process_index
+        batch.rewards = local
+        batch.advantages = advantages[rank * n : (rank + 1) * n]
+        batch.validate()
+
+        g = torch.Generator().manual_seed(args.seed + self._micro_step)  # deterministic, resumable
+        order = torch.randperm(n, generator=g).tolist()
+        size = args.per_device_train_batch_size
+        micro = [batch.select(order[i : i + size]) for i in range(0, n, size)]
+        global_tokens = acc.gather(torch.tensor([batch.num_completion_tokens], device=batch.device)).sum().item()
+        # dapo: token mean over the round; each micro-batch loss is later divided by grad accumulation
+        for mb in micro:
+            mb.meta["loss_normalizer"] = global_tokens / (args.steps_per_generation * args.world_size)
         t3 = time.perf_counter()
-        batch.rewards = combine_rewards(rewards_per_func, self.args.reward_weights)
-        batch.advantages, group_std = grpo_advantages(batch.rewards, self.args.num_generations,
-                                                      self.args.scale_rewards)
-        self._log_rollout(batch, rewards_per_func, group_std, tok.num_truncated,
-                          {"generate": t1 - t0, "reward": t2 - t1, "reference": t3 - t2})
-        return batch.validate()
+        for mb in micro:
+            mb.ref_logprobs = self._reference(mb)
+        if self._policy_moves_within_round():
+            with torch.no_grad():
+                for mb in micro:
+                    mb.old_logprobs = self._token_logprobs(self.model, mb)[0]
+        t4 = time.perf_counter()
+        self._log_rollout(batch, acc.gather(rewards_per_func), all_rewards, group_std, tok.num_truncated,
+                          {"generate": t1 - t0, "reward": t2 - t1, "reference": t4 - t3})
+        return micro
+
+    def _policy_moves_within_round(self) -> bool:
+        """True when an optimizer step happens before the round's last micro-batch is used."""
+        args = self.args
+        return args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
 
     def _generate(self, prompt_ids: list[list[int]], prompts: list, rows: list[dict]) -> RolloutBatch:
         out = self.engine.generate(prompt_ids, self.sampling)
@@ -231,25 +254,40 @@ class GRPOTrainer(Trainer):
             per_token = per_token + args.beta * kl
             self._metrics["kl"].append(masked_mean(kl, mask).item())
         loss = aggregate_loss(per_token, mask, args.loss_type, max_completion_length=args.max_completion_length,
-                              normalizer=mask.sum().item())
+                              normalizer=batch.meta.get("loss_normalizer", mask.sum().item()))
         self._metrics["entropy"].append(masked_mean(entropy.detach(), mask).item())
         for key, name in (("low_clip", "low"), ("high_clip", "high"), ("region_clip", "region")):
             self._metrics[f"clip_ratio/{name}_mean"].append(masked_mean(clip[key], mask).item())
         return loss
 
+    def train(self, *args, **kwargs):
+        self._buffer, self._micro_step = None, None
+        return super().train(*args, **kwargs)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
-        inputs = self._prepare_inputs(inputs)  # rollout phases, timed separately
+        args = self.args
+        if self._micro_step is None:  # fresh start or resume: position within the rounds
+            self._micro_step = self.state.global_step * args.gradient_accumulation_steps
+            if args.world_size > 1 and self.state.global_step == 0:
+                # same seed on every rank would draw identical samples for a group split across ranks
+                torch.manual_seed(args.seed + 7919 * args.process_index)
+        per_round = args.steps_per_generation * args.num_iterations
+        if self._buffer is None or self._micro_step % per_round == 0:
+            self._buffer = self._rollout_round(inputs)  # rollout phases, timed separately
+        batch = self._buffer[self._micro_step % args.steps_per_generation]
+        self._micro_step += 1
         t0 = time.perf_counter()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, batch, num_items_in_batch)
         self._metrics["timing_s/update"].append(time.perf_counter() - t0)
         return loss
 
     # ------------------------------------------------------------------ metrics
-    def _log_rollout(self, batch, rewards_per_func, group_std, num_truncated, timings) -> None:
+    def _log_rollout(self, batch, rewards_per_func, rewards, group_std, num_truncated, timings) -> None:
+        """Reward metrics over the global round (gathered); the rest over this process's share."""
         m = self._metrics
         lengths = batch.completion_mask.sum(1).float()
-        m["reward"].append(batch.rewards.mean().item())
-        m["reward_std"].append(batch.rewards.std().item() if batch.batch_size > 1 else 0.0)
+        m["reward"].append(rewards.mean().item())
+        m["reward_std"].append(rewards.std().item() if rewards.numel() > 1 else 0.0)
         m["frac_reward_zero_std"].append(torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item())
         for i, name in enumerate(self.reward_names):
             col = rewards_per_func[:, i]
@@ -264,8 +302,12 @@ class GRPOTrainer(Trainer):
         m["perf/tokens_per_second"].append(tokens / max(timings["generate"], 1e-9))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        for k, v in self._metrics.items():
-            if v:
-                logs[k] = sum(v) / len(v)
+        """Add the means of the metrics collected since the last log (averaged over processes)."""
+        keys = sorted(k for k, v in self._metrics.items() if v)
+        values = torch.tensor([sum(self._metrics[k]) / len(self._metrics[k]) for k in keys], dtype=torch.float64)
+        if self.accelerator.num_processes > 1 and keys:
+            # every process collects the same keys in the same order, so one reduce suffices
+            values = self.accelerator.reduce(values.to(self.accelerator.device), reduction="mean").cpu()
+        logs.update(zip(keys, values.tolist()))
         self._metrics.clear()
         super().log(logs, start_time)

@@ -1,0 +1,75 @@
+"""Samplers that lay prompt groups out for on-policy RL across micro-steps and processes.
+
+A *generation round* samples `num_generations` completions for each of `P` unique prompts: a
+global batch of `P * num_generations` completions, cut into one contiguous chunk per process
+(prompt-major, so a group may span two processes; the trainer gathers rewards before group
+normalisation). Each chunk is yielded `repeat` times (`steps_per_generation * num_iterations`
+micro-steps consume one round), once per micro-step, so that the `Trainer`'s step and epoch
+bookkeeping stays that of an ordinary dataloader; the trainer rolls out on the first repeat and
+serves the buffered round for the others.
+
+Batches reach processes through accelerate's `BatchSamplerShard` (batch `k` goes to process
+`k % world_size`), so the order below is: for each repeat, the chunk of process 0, then 1, ...
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Sampler
+
+
+class RepeatGroupSampler(Sampler[int]):
+    """Index stream for generation rounds (see the module docstring).
+
+    Args:
+        num_prompts (`int`): dataset length.
+        num_generations (`int`): completions per prompt.
+        chunk_size (`int`): completions per process per round (the dataloader's batch size).
+        world_size (`int`): number of processes.
+        repeat (`int`): micro-steps that consume one round.
+        shuffle (`bool`): shuffle prompts each epoch (with `seed + epoch`).
+        seed (`int`): base seed.
+    """
+
+    def __init__(self, num_prompts: int, num_generations: int, chunk_size: int, world_size: int = 1,
+                 repeat: int = 1, shuffle: bool = True, seed: int = 0) -> None:
+        round_size = chunk_size * world_size
+        if round_size % num_generations:
+            raise ValueError(
+                f"a generation round of {round_size} completions ({chunk_size} per process x {world_size} "
+                f"processes) does not hold whole groups of num_generations={num_generations}."
+            )
+        self.prompts_per_round = round_size // num_generations
+        if num_prompts < self.prompts_per_round:
+            raise ValueError(
+                f"the dataset has {num_prompts} prompts but one generation round needs "
+                f"{self.prompts_per_round}; add prompts or lower the generation batch size."
+            )
+        self.num_prompts, self.num_generations = num_prompts, num_generations
+        self.chunk_size, self.world_size, self.repeat = chunk_size, world_size, repeat
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def num_rounds(self) -> int:
+        """Complete generation rounds per epoch (a trailing partial round is dropped)."""
+        return self.num_prompts // self.prompts_per_round
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_prompts, generator=g).tolist()
+        else:
+            order = list(range(self.num_prompts))
+        for r in range(self.num_rounds):
+            prompts = order[r * self.prompts_per_round : (r + 1) * self.prompts_per_round]
+            completions = [i for i in prompts for _ in range(self.num_generations)]
+            chunks = [completions[p * self.chunk_size : (p + 1) * self.chunk_size] for p in range(self.world_size)]
+            for _ in range(self.repeat):
+                for chunk in chunks:
+                    yield from chunk
+
+    def __len__(self) -> int:
+        return self.num_rounds * self.repeat * self.world_size * self.chunk_size
