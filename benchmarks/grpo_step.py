@@ -1,17 +1,21 @@
 """Optimizer steps per second and peak memory: hf_verl's GRPOTrainer vs TRL's, same run.
 
-Both trainers get the same tiny Qwen2 model (fresh copy of one initialisation), tokenizer,
-prompts, reward and config. Needs `pip install trl==1.16.0` (a benchmark-only dependency).
-Usage: python benchmarks/grpo_step.py [--steps 20] [--repeats 2]
+Both trainers get the same tiny Qwen2 model (same seeded initialisation), tokenizer, prompts,
+reward and config. Each timed run is a fresh subprocess of this script, so that its peak RSS
+(``resource.getrusage(RUSAGE_SELF).ru_maxrss``, which sees torch's allocator, unlike tracemalloc)
+belongs to one trainer alone. Memory is reported as the training delta (peak RSS at the end
+minus the RSS right before ``train()``) and as the absolute peak. Runs of the two trainers are
+interleaved to share the machine's noise. Needs `pip install trl==1.16.0` (benchmark only).
+Usage: python benchmarks/grpo_step.py [--steps 20] [--repeats 2] [--use-generate]
 """
 
 import argparse
-import copy
+import json
 import resource
+import subprocess
 import sys
 import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
 import torch
@@ -46,43 +50,83 @@ def common(out, steps):
                 beta=0.0, disable_tqdm=True)
 
 
-def run(which, model, tok, ds, steps):
+def current_rss_mib():
+    """Resident set size now (Linux ``/proc``), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def child(which, steps, use_generate):
+    """One timed run in this (fresh) process; prints one JSON line."""
     if which == "hf_verl":
         from hf_verl import GRPOConfig, GRPOTrainer
     else:
         from trl import GRPOConfig, GRPOTrainer
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                         eos_token_id=tok.eos_token_id))
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    ds = Dataset.from_dict({"prompt": ["reverse abcde", "what is 2+2?", "hello there", "count to 5"] * 64})
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
         trainer = GRPOTrainer(model=model, reward_funcs=count_a, args=GRPOConfig(**common(out, steps)),
                               train_dataset=ds, processing_class=tok, callbacks=[timer])
-        tracemalloc.start()
+        if which == "hf_verl" and use_generate:
+            trainer.engine.use_generate = True  # the old model.generate rollout path
+        rss0 = current_rss_mib()
         trainer.train()
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    return timer.steps / (time.perf_counter() - timer.t0), peak / 2**20
+        sps = timer.steps / (time.perf_counter() - timer.t0)
+    peak = peak_rss_mib()
+    print(json.dumps({"steps_per_s": sps, "peak_rss_mib": peak, "delta_mib": peak - rss0}))
+
+
+def spawn(which, a):
+    cmd = [sys.executable, __file__, "--child", which, "--steps", str(a.steps)]
+    if a.use_generate:
+        cmd.append("--use-generate")
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{which} run failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--use-generate", action="store_true",
+                   help="hf_verl rolls out with model.generate (the pre-loop path) for comparison")
+    p.add_argument("--child", choices=["hf_verl", "trl"], help=argparse.SUPPRESS)
     a = p.parse_args()
-    tok = build_char_tokenizer()
-    torch.manual_seed(0)
-    base = Qwen2ForCausalLM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
-                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
-    base.generation_config.pad_token_id, base.generation_config.eos_token_id = tok.pad_token_id, tok.eos_token_id
-    ds = Dataset.from_dict({"prompt": ["reverse abcde", "what is 2+2?", "hello there", "count to 5"] * 64})
+    if a.child:
+        return child(a.child, a.steps, a.use_generate)
     results = {"hf_verl": [], "trl": []}
     for _ in range(a.repeats):  # interleave to share the machine's noise
         for which in results:
-            results[which].append(run(which, copy.deepcopy(base), tok, ds, a.steps))
-    best = {k: (max(s for s, _ in v), min(m for _, m in v)) for k, v in results.items()}
-    for k, (sps, mem) in best.items():
-        print(f"{k:8s} steps/s {sps:7.3f}   peak traced memory {mem:8.1f} MiB")
-    print(f"ratio hf_verl/trl: steps/s x{best['hf_verl'][0] / best['trl'][0]:.2f}, "
-          f"memory x{best['hf_verl'][1] / best['trl'][1]:.2f}  (maxrss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
+            results[which].append(spawn(which, a))
+    best = {k: {"sps": max(r["steps_per_s"] for r in v),
+                "delta": min(r["delta_mib"] for r in v),
+                "peak": min(r["peak_rss_mib"] for r in v)} for k, v in results.items()}
+    for k, b in best.items():
+        print(f"{k:8s} steps/s {b['sps']:7.3f}   peak RSS delta {b['delta']:7.1f} MiB   "
+              f"peak RSS {b['peak']:7.1f} MiB")
+    h, t = best["hf_verl"], best["trl"]
+
+    def ratio(key):
+        return f"x{h[key] / t[key]:.2f}" if t[key] > 0 else "n/a"
+
+    print(f"ratio hf_verl/trl: steps/s {ratio('sps')}, peak RSS delta {ratio('delta')}, "
+          f"peak RSS {ratio('peak')}")
 
 
 if __name__ == "__main__":
