@@ -147,3 +147,24 @@ def test_one_step_rounds_need_no_old_logprobs(tmp_path):
                           train_dataset=ds, processing_class=tok)
     trainer.train()
     assert trainer._buffer[0].old_logprobs is None  # ratio is 1 by construction: no extra forward
+
+
+def test_bad_reward_mid_run_saves_a_resumable_checkpoint(tmp_path):
+    tok = build_char_tokenizer()
+    calls = []
+
+    def flaky(completions, **kwargs):
+        calls.append(1)
+        return [float("nan")] * len(completions) if len(calls) == 3 else count_a(completions)
+
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz"] * 4})
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=flaky, args=_args(tmp_path, max_steps=5),
+                          train_dataset=ds, processing_class=tok)
+    with pytest.raises(ValueError, match=r"(?si)flaky.*nan.*checkpoint of step 2 was saved"):
+        trainer.train()
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / "model.safetensors").exists() and (ckpt / "trainer_state.json").exists()
+    resumed = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path, max_steps=3),
+                          train_dataset=ds, processing_class=tok)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.state.global_step == 3

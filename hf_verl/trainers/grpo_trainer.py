@@ -188,6 +188,23 @@ class GRPOTrainer(Trainer):
                           {"generate": t1 - t0, "reward": t2 - t1, "reference": t4 - t3})
         return micro
 
+    def _rollout_round_or_checkpoint(self, rows: list[dict]) -> list[RolloutBatch]:
+        """`_rollout_round`; if a reward source rejects its input mid-run, first save a resumable
+        checkpoint of the last completed step so that fixing the reward loses no training."""
+        try:
+            return self._rollout_round(rows)
+        except (ValueError, TypeError) as err:
+            step = self.state.global_step
+            if step == 0 or self._micro_step % self.args.gradient_accumulation_steps:
+                raise  # nothing trained yet, or mid-accumulation: no consistent state to save
+            self._save_checkpoint(self.model, trial=None)
+            path = f"{self.args.output_dir}/checkpoint-{step}"
+            logger.error("rollout failed at step %d; saved %s", step, path)
+            raise type(err)(
+                f"{err}\nA checkpoint of step {step} was saved to {path}: fix the cause and continue with "
+                f"trainer.train(resume_from_checkpoint={path!r})."
+            ) from err
+
     def _policy_moves_within_round(self) -> bool:
         """True when an optimizer step happens before the round's last micro-batch is used."""
         args = self.args
@@ -273,7 +290,7 @@ class GRPOTrainer(Trainer):
                 torch.manual_seed(args.seed + 7919 * args.process_index)
         per_round = args.steps_per_generation * args.num_iterations
         if self._buffer is None or self._micro_step % per_round == 0:
-            self._buffer = self._rollout_round(inputs)  # rollout phases, timed separately
+            self._buffer = self._rollout_round_or_checkpoint(inputs)  # rollout phases, timed separately
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
         t0 = time.perf_counter()
