@@ -1,0 +1,298 @@
+"""Advantage estimators beyond GRPO, token-level rewards, whitening and KL controllers.
+
+All tensor functions are pure and take detached inputs. Completions are right-padded: token
+tensors are `(B, T)` with a 0/1 response `mask` that is 1 on the real completion tokens,
+contiguous from position 0. Outcome estimators take one score per completion, `(B,)`, and return
+token-level advantages `(B, T)` broadcast over the mask (0 on padding). Groups are contiguous:
+completions `g*G .. g*G+G-1` answer the same prompt.
+
+Semantics follow verl's `core_algos.py` and TRL's PPO trainer. Departures:
+
+- `gae_advantages` does not whiten its advantages; verl and TRL whiten them with
+  `masked_whiten` before the loss, which the caller does explicitly.
+- `rloo_advantages` rejects `num_generations < 2` (verl keeps the raw score for a group of one).
+- `remax_advantages` takes per-sequence scores; verl subtracts the baseline from the return-to-go
+  of the token rewards, which equals the score when the rewards are outcome-only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_verl.algorithms.advantages import grpo_advantages
+from hf_verl.algorithms.policy_loss import masked_mean
+
+ADVANTAGE_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "dr_grpo",
+)
+
+
+def _check_groups(n: int, num_generations: int | None, name: str) -> int:
+    if num_generations is None:
+        raise ValueError(f"estimator {name!r} needs num_generations (the group size).")
+    if num_generations < 1 or n % num_generations:
+        raise ValueError(
+            f"estimator {name!r}: batch of {n} completions does not split into groups of "
+            f"num_generations={num_generations}."
+        )
+    return num_generations
+
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`(B,)` -> `(B, T)`, equal to `per_seq` on the mask and 0 on padding (`(B,)` if no mask)."""
+    if mask is None:
+        return per_seq
+    return per_seq.unsqueeze(-1) * mask.to(per_seq.dtype)
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Normalise `values` by the mean and unbiased variance of its masked entries (TRL/verl).
+
+    `whitened = (values - mean) / sqrt(var + eps)`, with `mean` and `var` taken over entries where
+    `mask` is 1 and `var` scaled by `n / (n - 1)`. Padded entries are transformed too (not zeroed).
+
+    Args:
+        values (`torch.Tensor`): any shape. mask (`torch.Tensor`): same shape, 0/1.
+        shift_mean (`bool`): if `False`, add the mean back (scale only).
+        eps (`float`): added to the variance.
+
+    Returns:
+        `torch.Tensor` of the shape of `values`.
+    """
+    n = mask.sum()
+    if n < 2:
+        raise ValueError(f"masked_whiten needs at least 2 masked entries, got {int(n)}.")
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean).square(), mask) * (n / (n - 1))
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al., 2016, arXiv 1506.02438) over the mask.
+
+    `delta_t = r_t + gamma * V_{t+1} - V_t` with `V` beyond the last valid token equal to 0, and
+    `A_t = delta_t + gamma * lam * A_{t+1}`, computed in reverse time. `returns = A + V`.
+
+    Args:
+        token_rewards, values, mask (`torch.Tensor` `(B, T)`): per-token rewards, critic values
+            and response mask.
+        gamma (`float`): discount. lam (`float`): GAE lambda.
+
+    Returns:
+        `(advantages, returns)`, both `(B, T)` and 0 on padding; not whitened.
+    """
+    maskf = mask.to(values.dtype)
+    next_value = values.new_zeros(values.shape[0])
+    next_adv = values.new_zeros(values.shape[0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv = (delta + gamma * lam * next_adv) * maskf[:, t]
+        advantages[:, t] = adv
+        next_value = values[:, t] * maskf[:, t]
+        next_adv = adv
+    returns = (advantages + values) * maskf
+    return advantages, returns
+
+
+def token_level_rewards(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards as in TRL's PPO: the score on the last valid token, minus `kl_coef * kl`.
+
+    Args:
+        scores (`torch.Tensor` `(B,)`): one score per completion.
+        mask (`torch.Tensor` `(B, T)`): response mask. A row with no valid token gets no score.
+        kl (`torch.Tensor` `(B, T)`, *optional*): per-token KL estimate to the reference.
+        kl_coef (`float`): penalty coefficient.
+
+    Returns:
+        `(token_rewards, non_score_reward)`, both `(B, T)` and 0 on padding, where
+        `non_score_reward = -kl_coef * kl` and `token_rewards = non_score_reward + score at the end`.
+    """
+    maskf = mask.to(scores.dtype)
+    if kl is None:
+        non_score = torch.zeros_like(maskf)
+    else:
+        non_score = -kl_coef * kl.to(scores.dtype) * maskf
+    lengths = mask.long().sum(-1)
+    last = (lengths - 1).clamp(min=0).unsqueeze(-1)
+    placed = torch.zeros_like(maskf).scatter(-1, last, (scores * (lengths > 0)).unsqueeze(-1))
+    return non_score + placed, non_score
+
+
+def rloo_advantages(
+    scores: torch.Tensor, num_generations: int, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al., 2024, arXiv 2402.14740).
+
+    `A_i = r_i - (sum_{j in group, j != i} r_j) / (G - 1)`. Needs `num_generations >= 2`.
+
+    Returns:
+        `(B, T)` broadcast over `mask` (0 on padding), or `(B,)` when `mask` is `None`.
+    """
+    g = _check_groups(scores.numel(), num_generations, "rloo")
+    if g < 2:
+        raise ValueError("estimator 'rloo' needs num_generations >= 2 (a leave-one-out baseline).")
+    grouped = scores.view(-1, g)
+    baseline = (grouped.sum(-1, keepdim=True) - grouped) / (g - 1)
+    return _broadcast((grouped - baseline).reshape(-1), mask)
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """REINFORCE++ (Hu, 2025, arXiv 2501.03262).
+
+    `G_t = sum_{s >= t} gamma^(s-t) r_s` over each row's valid tokens (the token rewards include
+    the KL penalty), then `A = masked_whiten(G, mask)` over the whole batch; 0 on padding.
+    """
+    maskf = mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = token_rewards.new_zeros(token_rewards.shape[0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = (token_rewards[:, t] + gamma * running) * maskf[:, t]
+        returns[:, t] = running
+    return masked_whiten(returns, mask) * maskf
+
+
+def reinforce_pp_baseline_advantages(
+    scores: torch.Tensor, mask: torch.Tensor, num_generations: int
+) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu, 2025, arXiv 2501.03262; verl's version).
+
+    `A_i = r_i - mean_group(r)`, broadcast over the mask, then whitened with `masked_whiten` over
+    all valid tokens of the batch (so each sequence weighs by its length, as in verl).
+    """
+    g = _check_groups(scores.numel(), num_generations, "reinforce_plus_plus_baseline")
+    grouped = scores.view(-1, g)
+    centred = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1)
+    return masked_whiten(_broadcast(centred, mask), mask) * mask.to(scores.dtype)
+
+
+def remax_advantages(
+    scores: torch.Tensor, greedy_scores: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """ReMax (Li et al., 2023, arXiv 2310.10505): `A_i = r_i - r_greedy(prompt_i)`.
+
+    `greedy_scores` `(B,)` holds, for each sample, the score of the greedy completion of its
+    prompt. Broadcast over the mask.
+    """
+    if greedy_scores.shape != scores.shape:
+        raise ValueError(
+            f"greedy_scores shape {tuple(greedy_scores.shape)} != scores shape {tuple(scores.shape)}."
+        )
+    return _broadcast(scores - greedy_scores, mask)
+
+
+def dr_grpo_advantages(
+    scores: torch.Tensor, num_generations: int, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dr. GRPO (Liu et al., 2025, arXiv 2503.20783): `A_i = r_i - mean_group(r)`, no std scaling.
+
+    Returns:
+        `(B, T)` broadcast over `mask` (0 on padding), or `(B,)` when `mask` is `None`.
+    """
+    _check_groups(scores.numel(), num_generations, "dr_grpo")
+    advantages, _ = grpo_advantages(scores, num_generations, scale_rewards="none")
+    return _broadcast(advantages, mask)
+
+
+def compute_advantages(
+    name: str,
+    *,
+    scores: torch.Tensor | None = None,
+    token_rewards: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    mask: torch.Tensor,
+    num_generations: int | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    greedy_scores: torch.Tensor | None = None,
+    scale_rewards: str = "group",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Advantages of the estimator `name` (one of `ADVANTAGE_ESTIMATORS`).
+
+    `gae` and `reinforce_plus_plus` take `token_rewards` `(B, T)` (e.g. from
+    `token_level_rewards`); the others take per-completion `scores` `(B,)`. `gae` also needs
+    `values`, `remax` needs `greedy_scores`, and the group estimators (`grpo`, `rloo`, `dr_grpo`,
+    `reinforce_plus_plus_baseline`) need `num_generations`. `scale_rewards` applies to `grpo`.
+
+    Returns:
+        `(advantages (B, T), returns)`: `returns` `(B, T)` for `gae` (the critic's targets),
+        `None` for the others. Both are 0 on padding; GAE advantages are not whitened.
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ADVANTAGE_ESTIMATORS}.")
+    needs = {"gae": ("token_rewards", "values"), "reinforce_plus_plus": ("token_rewards",)}
+    given = {"scores": scores, "token_rewards": token_rewards, "values": values,
+             "greedy_scores": greedy_scores}
+    required = needs.get(name, ("scores",) + (("greedy_scores",) if name == "remax" else ()))
+    for arg in required:
+        if given[arg] is None:
+            what = " (a critic)" if arg == "values" else ""
+            raise ValueError(f"estimator {name!r} needs {arg}{what}.")
+    batch = (scores if scores is not None else token_rewards).shape[0]
+    if mask.dim() != 2 or mask.shape[0] != batch:
+        raise ValueError(f"mask must be (B, T) with B={batch}, got shape {tuple(mask.shape)}.")
+    if name == "gae":
+        return gae_advantages(token_rewards, values, mask, gamma, lam)
+    if name == "reinforce_plus_plus":
+        return reinforce_pp_advantages(token_rewards, mask, gamma), None
+    if name == "remax":
+        return remax_advantages(scores, greedy_scores, mask), None
+    g = _check_groups(batch, num_generations, name)
+    if name == "grpo":
+        return _broadcast(grpo_advantages(scores, g, scale_rewards)[0], mask), None
+    if name == "rloo":
+        return rloo_advantages(scores, g, mask), None
+    if name == "dr_grpo":
+        return dr_grpo_advantages(scores, g, mask), None
+    return reinforce_pp_baseline_advantages(scores, mask, g), None
+
+
+class FixedKLController:
+    """A constant KL coefficient (TRL/verl); `update` is a no-op."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Keep `value` unchanged."""
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al., 2019, arXiv 1909.08593; TRL/verl semantics).
+
+    `error = clip(current_kl / target - 1, -0.2, 0.2)` and `value *= 1 + error * n_steps / horizon`.
+
+    Args:
+        init_kl_coef (`float`): starting coefficient. target (`float`): target KL, > 0.
+        horizon (`float`): steps over which the coefficient adapts, > 0.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}.")
+        self.value = init_kl_coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Move `value` towards keeping `current_kl` at `target`, after `n_steps` samples."""
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
