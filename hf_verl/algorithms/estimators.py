@@ -122,7 +122,8 @@ def token_level_rewards(
 
     Returns:
         `(token_rewards, non_score_reward)`, both `(B, T)` and 0 on padding, where
-        `non_score_reward = -kl_coef * kl` and `token_rewards = non_score_reward + score at the end`.
+        `non_score_reward = -kl_coef * kl` and `token_rewards` is `non_score_reward` plus the score
+        on the last valid token.
     """
     maskf = mask.to(scores.dtype)
     if kl is None:
@@ -194,7 +195,8 @@ def remax_advantages(
     """
     if greedy_scores.shape != scores.shape:
         raise ValueError(
-            f"greedy_scores shape {tuple(greedy_scores.shape)} != scores shape {tuple(scores.shape)}."
+            f"greedy_scores shape {tuple(greedy_scores.shape)} != scores shape "
+            f"{tuple(scores.shape)}."
         )
     return _broadcast(scores - greedy_scores, mask)
 
@@ -237,7 +239,9 @@ def compute_advantages(
         `None` for the others. Both are 0 on padding; GAE advantages are not whitened.
     """
     if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ADVANTAGE_ESTIMATORS}.")
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; choose one of {ADVANTAGE_ESTIMATORS}."
+        )
     needs = {"gae": ("token_rewards", "values"), "reinforce_plus_plus": ("token_rewards",)}
     given = {"scores": scores, "token_rewards": token_rewards, "values": values,
              "greedy_scores": greedy_scores}
@@ -287,7 +291,9 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target: float, horizon: float):
         if target <= 0 or horizon <= 0:
-            raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}.")
+            raise ValueError(
+                f"target and horizon must be > 0, got target={target}, horizon={horizon}."
+            )
         self.value = init_kl_coef
         self.target = target
         self.horizon = horizon
