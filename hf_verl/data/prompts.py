@@ -95,6 +95,22 @@ def tokenize_prompts(
     return TokenizedPrompts(texts, ids, truncated)
 
 
+def pretokenized_prompts(rows: Sequence[dict], tokenizer: Any, max_prompt_length: int | None) -> TokenizedPrompts:
+    """Prompts given as an `input_ids` column (TRL's PPO datasets): padding dropped, left-truncated;
+    the decoded text stands in for the prompt where reward functions need one."""
+    pad = tokenizer.pad_token_id
+    texts, ids, truncated = [], [], 0
+    for i, row in enumerate(rows):
+        tok = [int(t) for t in row["input_ids"] if pad is None or int(t) != pad]
+        if not tok:
+            raise ValueError(f"prompt {i} has no tokens in its input_ids (after removing padding).")
+        if max_prompt_length is not None and len(tok) > max_prompt_length:
+            tok, truncated = tok[-max_prompt_length:], truncated + 1
+        texts.append(tokenizer.decode(tok, skip_special_tokens=True))
+        ids.append(tok)
+    return TokenizedPrompts(texts, ids, truncated)
+
+
 def ensure_pad_token(tokenizer: Any) -> None:
     """Give a tokenizer without a pad token its EOS token as pad (logged), else raise."""
     if tokenizer.pad_token_id is not None:

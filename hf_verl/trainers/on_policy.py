@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, Trainer
 
 from hf_verl.algorithms.logprobs import logprobs_from_hidden
 from hf_verl.data.batch import RolloutBatch
-from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, tokenize_prompts
+from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, pretokenized_prompts, tokenize_prompts
 from hf_verl.data.samplers import RepeatGroupSampler
 from hf_verl.rewards.callables import reward_func_name, score_reward_funcs
 from hf_verl.rewards.reward_model import RewardModelScorer
@@ -70,7 +70,7 @@ class OnPolicyTrainer(Trainer):
         ensure_pad_token(processing_class)
         if args.gradient_checkpointing:
             model.config.use_cache = False
-        if train_dataset is not None:
+        if train_dataset is not None and "input_ids" not in (train_dataset.column_names or []):
             check_prompt_column(train_dataset.column_names)
         self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
@@ -127,8 +127,12 @@ class OnPolicyTrainer(Trainer):
     # ------------------------------------------------------------------ rollout phases
     def _rollout_round(self, rows: list[dict]) -> list[RolloutBatch]:
         t0 = time.perf_counter()
-        prompts = [r["prompt"] for r in rows]
-        tok = tokenize_prompts(prompts, self.processing_class, self.args.max_prompt_length)
+        if "prompt" in rows[0]:
+            prompts = [r["prompt"] for r in rows]
+            tok = tokenize_prompts(prompts, self.processing_class, self.args.max_prompt_length)
+        else:  # pre-tokenised (TRL's PPO datasets)
+            tok = pretokenized_prompts(rows, self.processing_class, self.args.max_prompt_length)
+            prompts = tok.texts
         batch = self._generate(tok.ids, prompts)
         t1 = time.perf_counter()
         rewards_per_func = self._score(batch, rows)
@@ -158,7 +162,7 @@ class OnPolicyTrainer(Trainer):
         completions = batch.meta["completions"]
         if isinstance(prompts[0], list):  # conversational: completions are assistant messages
             completions = [[{"role": "assistant", "content": c}] for c in completions]
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "input_ids")}
         scores = score_reward_funcs(self.reward_funcs, prompts=prompts, completions=completions,
                                     completion_ids=batch.meta["completion_ids"], columns=columns)
         return scores.to(batch.device)

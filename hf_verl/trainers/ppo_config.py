@@ -1,0 +1,176 @@
+"""`PPOConfig`: the field names and defaults of TRL's (experimental, <= 1.10) PPOConfig, validated.
+
+Batch sizes follow TRL: each process rolls out `local_batch_size = per_device_train_batch_size x
+gradient_accumulation_steps` completions per update, which is split into `num_mini_batches`
+mini-batches and passed over `num_ppo_epochs` times; one mini-batch is one optimizer step. To run
+inside the `transformers.Trainer` loop, `__post_init__` records the rollout size and sets
+`gradient_accumulation_steps` to the micro-batches per mini-batch (a mini-batch is one optimizer
+step), so `max_steps` and `logging_steps` count optimizer steps. `total_episodes` (TRL's run
+length, in completions) is turned into `max_steps` when `max_steps` is not given.
+
+Additions (verl's knobs under PPO names): `advantage_estimator`, `num_generations`,
+`critic_learning_rate`, `critic_warmup_steps`, `use_kl_loss`, `kl_controller` / `kl_target` /
+`kl_horizon`, `whiten_advantages`, `max_prompt_length`, `reward_weights`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+
+logger = logging.getLogger(__name__)
+
+KL_ESTIMATORS = ("k1", "k3")
+KL_CONTROLLERS = ("fixed", "adaptive")
+
+
+def _help(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class PPOConfig(TrainingArguments):
+    """Configuration of :class:`~hf_verl.PPOTrainer` (a `transformers.TrainingArguments`).
+
+    TRL's fields keep their names and defaults: `num_ppo_epochs=4`, `num_mini_batches=1`,
+    `kl_coef=0.05`, `kl_estimator="k1"`, `cliprange=0.2`, `vf_coef=0.1`, `cliprange_value=0.2`,
+    `gamma=1.0`, `lam=0.95`, `response_length=53`, `temperature=0.7`, `whiten_rewards=False`,
+    `missing_eos_penalty=None`, `learning_rate=3e-6`. See the module docstring for batch sizes.
+    """
+
+    learning_rate: float = field(default=3e-6, metadata=_help("AdamW learning rate of the policy (TRL's default)."))
+    bf16: bool | None = field(default=None, metadata=_help("None: True on bf16-capable CUDA, else False."))
+    remove_unused_columns: bool = field(default=False, metadata=_help("Keep extra columns for rewards."))
+    logging_steps: float = field(default=10, metadata=_help("Log every N optimizer steps."))
+
+    # --- TRL PPOConfig fields
+    dataset_num_proc: int | None = field(default=None, metadata=_help("Processes for dataset preprocessing."))
+    num_mini_batches: int = field(default=1, metadata=_help("Mini-batches (optimizer steps) per rollout and epoch."))
+    total_episodes: int | None = field(default=None, metadata=_help("Completions to train on; sets max_steps."))
+    local_rollout_forward_batch_size: int = field(default=64, metadata=_help("Per-process batch of the no-grad rollout forwards."))
+    num_sample_generations: int = field(default=10, metadata=_help("Log a sample completion this many times per run (0: never)."))
+    response_length: int = field(default=53, metadata=_help("Maximum tokens per completion."))
+    stop_token: str | None = field(default=None, metadata=_help("'eos' to stop at EOS; None: the generation config's EOS."))
+    stop_token_id: int | None = field(default=None, metadata=_help("Token id that ends a completion."))
+    temperature: float = field(default=0.7, metadata=_help("Sampling temperature."))
+    missing_eos_penalty: float | None = field(default=None, metadata=_help("Subtracted from the score of completions without EOS."))
+    sft_model_path: str = field(default="EleutherAI/pythia-160m", metadata=_help("Policy path used by TRL-style scripts."))
+    reward_model_path: str = field(default="EleutherAI/pythia-160m", metadata=_help("Reward model path used by TRL-style scripts."))
+    model_adapter_name: str | None = field(default=None, metadata=_help("PEFT adapter to train (multi-adapter models)."))
+    ref_adapter_name: str | None = field(default=None, metadata=_help("PEFT adapter serving as reference."))
+    num_ppo_epochs: int = field(default=4, metadata=_help("Passes over each rollout."))
+    whiten_rewards: bool = field(default=False, metadata=_help("Whiten token rewards (no mean shift) before GAE."))
+    kl_coef: float = field(default=0.05, metadata=_help("KL coefficient (initial value for the adaptive controller)."))
+    kl_estimator: str = field(default="k1", metadata=_help("'k1' or 'k3' KL estimator."))
+    cliprange: float = field(default=0.2, metadata=_help("Policy ratio clip range."))
+    vf_coef: float = field(default=0.1, metadata=_help("Value loss coefficient."))
+    cliprange_value: float = field(default=0.2, metadata=_help("Value clip range around the rollout values."))
+    gamma: float = field(default=1.0, metadata=_help("Discount factor."))
+    lam: float = field(default=0.95, metadata=_help("GAE lambda."))
+    ds3_gather_for_generation: bool = field(default=True, metadata=_help("ZeRO-3: gather weights for generation."))
+
+    # --- hf_verl additions
+    advantage_estimator: str = field(default="gae", metadata=_help(f"One of {ADVANTAGE_ESTIMATORS}; gae needs a value model."))
+    num_generations: int = field(default=1, metadata=_help("Completions per prompt (> 1 for group estimators)."))
+    scale_rewards: str = field(default="group", metadata=_help("std scaling of the grpo estimator."))
+    whiten_advantages: bool = field(default=True, metadata=_help("Whiten GAE advantages over the rollout (TRL: always)."))
+    critic_learning_rate: float | None = field(default=None, metadata=_help("Value model learning rate; default learning_rate."))
+    critic_warmup_steps: int = field(default=0, metadata=_help("Optimizer steps that train only the critic."))
+    use_kl_loss: bool = field(default=False, metadata=_help("KL as a loss term (k3, weight kl_coef) instead of a reward penalty."))
+    kl_controller: str = field(default="fixed", metadata=_help("'fixed' or 'adaptive' (Ziegler et al.) kl_coef."))
+    kl_target: float = field(default=6.0, metadata=_help("Adaptive controller: target KL per completion."))
+    kl_horizon: int = field(default=10000, metadata=_help("Adaptive controller: horizon in completions."))
+    max_prompt_length: int | None = field(default=512, metadata=_help("Left-truncate prompts to this many tokens."))
+    reward_weights: list[float] | None = field(default=None, metadata=_help("Weights of reward functions."))
+    shuffle_dataset: bool = field(default=True, metadata=_help("Shuffle the prompt dataset."))
+    logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
+    rollout_accumulation_steps: int | None = field(
+        default=None, metadata=_help("Set by __post_init__: the gradient_accumulation_steps given (rollout size).")
+    )
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None:
+            self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        super().__post_init__()
+        self._validate()
+        if self.rollout_accumulation_steps is None:  # first resolution (not a reload of a resolved config)
+            if self.gradient_accumulation_steps % self.num_mini_batches:
+                raise ValueError(
+                    f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must be a multiple of "
+                    f"num_mini_batches ({self.num_mini_batches}): a mini-batch holds whole micro-batches of "
+                    f"per_device_train_batch_size={self.per_device_train_batch_size}."
+                )
+            self.rollout_accumulation_steps = self.gradient_accumulation_steps
+            self.gradient_accumulation_steps = self.gradient_accumulation_steps // self.num_mini_batches
+        if self.total_episodes is not None and self.max_steps <= 0:
+            updates = math.ceil(self.total_episodes / self.batch_size)
+            self.max_steps = updates * self.num_ppo_epochs * self.num_mini_batches
+
+    # TRL's derived sizes, as read-only views
+    @property
+    def local_batch_size(self) -> int:
+        """Completions rolled out per process per update."""
+        return self.per_device_train_batch_size * self.rollout_accumulation_steps
+
+    @property
+    def batch_size(self) -> int:
+        return self.local_batch_size * self.world_size
+
+    @property
+    def local_mini_batch_size(self) -> int:
+        return self.local_batch_size // self.num_mini_batches
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.local_mini_batch_size * self.world_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.per_device_train_batch_size * self.world_size
+
+    # names the shared on-policy machinery reads
+    @property
+    def steps_per_generation(self) -> int:
+        return self.rollout_accumulation_steps
+
+    @property
+    def num_iterations(self) -> int:
+        return self.num_ppo_epochs
+
+    def _validate(self) -> None:
+        checks = [
+            (self.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}."),
+            (self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+             f"unknown advantage_estimator {self.advantage_estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}."),
+            (self.kl_controller in KL_CONTROLLERS, f"kl_controller must be one of {KL_CONTROLLERS}, got {self.kl_controller!r}."),
+            (self.response_length >= 1, f"response_length must be >= 1, got {self.response_length}."),
+            (self.num_ppo_epochs >= 1, f"num_ppo_epochs must be >= 1, got {self.num_ppo_epochs}."),
+            (self.num_mini_batches >= 1, f"num_mini_batches must be >= 1, got {self.num_mini_batches}."),
+            (self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}."),
+            (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}."),
+            (self.cliprange > 0 and self.cliprange_value > 0, "cliprange and cliprange_value must be > 0."),
+            (0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}."),
+            (self.temperature > 0, f"temperature must be > 0 for PPO sampling, got {self.temperature}."),
+            (self.stop_token in (None, "eos"), f"stop_token must be 'eos' or None, got {self.stop_token!r}."),
+            (not (self.stop_token and self.stop_token_id is not None), "set stop_token or stop_token_id, not both."),
+            (self.critic_warmup_steps >= 0, f"critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        group = self.advantage_estimator in ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline")
+        if group and self.num_generations < 2:
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r} compares completions of one prompt: "
+                "set num_generations >= 2."
+            )
+        if self.advantage_estimator == "remax":
+            raise ValueError("advantage_estimator='remax' needs a greedy baseline rollout, which PPOTrainer "
+                             "does not run yet; use 'rloo' or 'reinforce_plus_plus_baseline'.")
