@@ -15,6 +15,9 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "GRPOConfig": "hf_verl.trainers.grpo_config",
     "GRPOTrainer": "hf_verl.trainers.grpo_trainer",
+    "PPOConfig": "hf_verl.trainers.ppo_config",
+    "PPOTrainer": "hf_verl.trainers.ppo_trainer",
+    "Trainer": "hf_verl.facade.trainer",
     "RolloutBatch": "hf_verl.data.batch",
     "RolloutEngine": "hf_verl.rollout.base",
     "SamplingParams": "hf_verl.rollout.base",
@@ -33,6 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from hf_verl.rollout.hf_engine import TransformersEngine
     from hf_verl.trainers.grpo_config import GRPOConfig
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
+    from hf_verl.trainers.ppo_config import PPOConfig
+    from hf_verl.trainers.ppo_trainer import PPOTrainer
 
 
 def __getattr__(name: str) -> Any:
