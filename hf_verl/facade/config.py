@@ -1,0 +1,184 @@
+"""`TrainerConfig`: the facade's attribute-style, validated settings.
+
+Every setting is declared once in :data:`FIELDS` (default, accepted types, valid range, help).
+Assignment checks the name (an unknown name raises `AttributeError` listing the closest valid
+names), the type (`TypeError`) and the range (`ValueError`), each message stating what is valid.
+Listeners registered with :meth:`TrainerConfig.add_listener` hear every accepted change, which
+is how the :class:`~hf_verl.facade.trainer.Trainer` applies, say, a new `actor_lr` to its
+optimizer's param groups at once; settings that are read per call (sampling, loss coefficients,
+batch sizes) take effect at the next `rollout` / `compute_loss` / `step` without any rebuild.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from hf_verl.algorithms.kl import KL_ESTIMATORS
+from hf_verl.algorithms.policy_loss import LOSS_TYPES
+
+_SIZE_RE = re.compile(r"^\s*\d+(\.\d+)?\s*[KMBT]?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One setting: its default, accepted types, a range check and the words describing it."""
+
+    default: Any
+    types: tuple[type, ...]
+    check: Callable[[Any], bool]
+    valid: str
+    help: str
+
+
+def _pos_int(v) -> bool:
+    return v >= 1
+
+
+def _nonneg(v) -> bool:
+    return math.isfinite(v) and v >= 0
+
+
+def _pos(v) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+def _unit(v) -> bool:
+    return 0.0 <= v <= 1.0
+
+
+def _size(v) -> bool:
+    return v is None or (isinstance(v, int) and v > 0) or (isinstance(v, str) and bool(_SIZE_RE.match(v)))
+
+
+_NONE = type(None)
+_ESTIMATORS = ("auto", *[e for e in ADVANTAGE_ESTIMATORS if e != "remax"])
+
+FIELDS: dict[str, Field] = {
+    "rollout_batch_size": Field(16, (int,), _pos_int, "an int >= 1",
+                                "Prompts drawn per `rollout()` when it is called without a batch."),
+    "group_size": Field(8, (int,), _pos_int, "an int >= 1",
+                        "Completions generated per prompt (TRL's `num_generations`)."),
+    "max_new_tokens": Field(256, (int,), _pos_int, "an int >= 1", "Maximum tokens generated per completion."),
+    "max_prompt_length": Field(None, (int, _NONE), lambda v: v is None or v >= 1, "None or an int >= 1",
+                               "Prompts are left-truncated to this many tokens; None keeps them whole."),
+    "temperature": Field(1.0, (float,), _nonneg, "a finite float >= 0 (0 is greedy)", "Sampling temperature."),
+    "top_p": Field(1.0, (float,), lambda v: 0.0 < v <= 1.0, "a float in (0, 1]", "Nucleus sampling mass."),
+    "top_k": Field(0, (int,), lambda v: v >= 0, "an int >= 0 (0 disables it)", "Top-k sampling."),
+    "estimator": Field("auto", (str,), lambda v: v in _ESTIMATORS, f"one of {_ESTIMATORS}",
+                       "Advantage estimator: 'auto' is 'gae' with a critic and 'grpo' without."),
+    "gamma": Field(1.0, (float,), _unit, "a float in [0, 1]", "Discount factor (GAE, REINFORCE++)."),
+    "gae_lambda": Field(0.95, (float,), _unit, "a float in [0, 1]", "GAE lambda."),
+    "whiten_advantages": Field(True, (bool,), lambda v: True, "True or False",
+                               "Whiten GAE advantages over the rollout's tokens (as TRL and verl do)."),
+    "clip_range": Field(0.2, (float,), _pos, "a finite float > 0", "PPO ratio clip epsilon."),
+    "value_clip_range": Field(0.2, (float,), _pos, "a finite float > 0",
+                              "Clip range of the value loss around the rollout's values."),
+    "kl_coef": Field(0.0, (float,), _nonneg, "a finite float >= 0",
+                     "Weight of the k-estimator KL-to-reference loss term; 0 disables it."),
+    "kl_estimator": Field("k3", (str,), lambda v: v in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}", "KL estimator."),
+    "entropy_coef": Field(0.0, (float,), _nonneg, "a finite float >= 0", "Weight of the entropy bonus."),
+    "vf_coef": Field(0.5, (float,), _nonneg, "a finite float >= 0", "Weight of the value loss."),
+    "loss_type": Field("bnpo", (str,), lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}",
+                       "Aggregation of per-token losses (see hf_verl.algorithms.policy_loss)."),
+    "actor_lr": Field(1e-6, (float,), _pos, "a finite float > 0", "Actor AdamW learning rate."),
+    "critic_lr": Field(1e-5, (float,), _pos, "a finite float > 0", "Critic AdamW learning rate."),
+    "weight_decay": Field(0.0, (float,), _nonneg, "a finite float >= 0", "AdamW weight decay (both roles)."),
+    "max_grad_norm": Field(1.0, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
+                           "Gradient-norm clip per role; None disables clipping."),
+    "logprob_chunk_size": Field(1024, (int,), _pos_int, "an int >= 1", "Positions per log-prob chunk."),
+    "device": Field(None, (str, _NONE), lambda v: True, "None or a device string such as 'cpu' or 'cuda:0'",
+                    "Where roles loaded from a Hub id / path go; None: CUDA if available, else CPU."),
+    "dtype": Field("auto", (str,), lambda v: v in ("auto", "float32", "bfloat16", "float16"),
+                   "'auto', 'float32', 'bfloat16' or 'float16'", "dtype of roles loaded from a Hub id / path."),
+    "model_size": Field(None, (int, str, _NONE), _size,
+                        "None, an int number of parameters, or a string like '7B' / '500M'",
+                        "Actor size, read by the parallel-layout planner; None: counted once loaded."),
+    "debug_path": Field(None, (str, _NONE), lambda v: True, "None or a file path",
+                        "JSONL file of debug-mode records; None: `hf_verl_debug.jsonl` in the cwd."),
+    "seed": Field(None, (int, _NONE), lambda v: True, "None or an int", "Sampling seed for each rollout."),
+}
+
+
+class TrainerConfig:
+    """Settings of the role-level :class:`~hf_verl.facade.trainer.Trainer`, validated on assignment.
+
+    Every name in :data:`FIELDS` is an attribute; defaults: `rollout_batch_size=16` prompts per
+    rollout, `group_size=8` completions per prompt, `max_new_tokens=256`, `temperature=1.0`,
+    `estimator="auto"` (GAE with a critic, GRPO without), `gamma=1.0`, `gae_lambda=0.95`,
+    `clip_range=0.2`, `value_clip_range=0.2`, `kl_coef=0.0`, `entropy_coef=0.0`, `vf_coef=0.5`,
+    `actor_lr=1e-6`, `critic_lr=1e-5`, `max_grad_norm=1.0`, `model_size=None`.
+
+    Args:
+        **overrides: initial values; each is validated as an assignment would be.
+
+    Example:
+        ```python
+        config = TrainerConfig(group_size=4)
+        config.actor_lr = 5e-4          # applied to the optimizer at once
+        config.temprature = 0.7         # AttributeError: ... did you mean 'temperature'?
+        ```
+    """
+
+    def __init__(self, **overrides: Any) -> None:
+        object.__setattr__(self, "_values", {name: f.default for name, f in FIELDS.items()})
+        object.__setattr__(self, "_listeners", [])
+        for name, value in overrides.items():
+            setattr(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("_values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(_unknown(name))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in FIELDS:
+            raise AttributeError(_unknown(name))
+        value = _validate(name, value)
+        old = self._values[name]
+        self._values[name] = value
+        if old != value:
+            for listener in list(self._listeners):
+                listener(name, old, value)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(FIELDS))
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
+        return f"TrainerConfig({body})"
+
+    def add_listener(self, listener: Callable[[str, Any, Any], None]) -> None:
+        """Call `listener(name, old, new)` after every accepted change."""
+        self._listeners.append(listener)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def update(self, values: dict[str, Any]) -> None:
+        for name, value in values.items():
+            setattr(self, name, value)
+
+
+def _unknown(name: str) -> str:
+    close = difflib.get_close_matches(name, list(FIELDS), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return f"TrainerConfig has no setting {name!r}.{hint} Valid settings: {', '.join(FIELDS)}."
+
+
+def _validate(name: str, value: Any) -> Any:
+    f = FIELDS[name]
+    if float in f.types and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # 1 is a fine learning-rate-like float
+    bad_bool = isinstance(value, bool) and bool not in f.types
+    if bad_bool or not isinstance(value, f.types):
+        raise TypeError(f"TrainerConfig.{name} must be {f.valid}, got {type(value).__name__} {value!r}.")
+    if not f.check(value):
+        raise ValueError(f"TrainerConfig.{name} must be {f.valid}, got {value!r}.")
+    return value
