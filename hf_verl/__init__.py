@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
+    "DPOConfig": "hf_verl.trainers.dpo_config",
+    "DPOTrainer": "hf_verl.trainers.dpo_trainer",
     "GRPOConfig": "hf_verl.trainers.grpo_config",
     "GRPOTrainer": "hf_verl.trainers.grpo_trainer",
     "PPOConfig": "hf_verl.trainers.ppo_config",
@@ -34,6 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from hf_verl.data.batch import RolloutBatch
     from hf_verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
     from hf_verl.rollout.hf_engine import TransformersEngine
+    from hf_verl.trainers.dpo_config import DPOConfig
+    from hf_verl.trainers.dpo_trainer import DPOTrainer
     from hf_verl.trainers.grpo_config import GRPOConfig
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
     from hf_verl.trainers.ppo_config import PPOConfig

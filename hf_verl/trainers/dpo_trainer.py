@@ -1,0 +1,343 @@
+"""`DPOTrainer`: offline preference optimisation as a `transformers.Trainer` subclass.
+
+The data path is :mod:`hf_verl.data.preference` (prompt extraction, tokenisation, truncation,
+padded or padding-free batches of chosen-then-rejected sequences); the losses are the pure
+functions of :mod:`hf_verl.algorithms.dpo_losses`; sequence log-probs come from the chunked LM
+head of :mod:`hf_verl.algorithms.logprobs` (no full `(tokens, vocab)` logits tensor), one forward
+for chosen and rejected together. The reference is a separate model, the PEFT base model with
+adapters disabled, or log-probs precomputed once over the dataset and cached on disk by dataset
+fingerprint and reference weights, after which no reference forward runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import defaultdict
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
+
+from hf_verl.algorithms.dpo_losses import combined_dpo_loss, implicit_rewards, reward_metrics
+from hf_verl.algorithms.logprobs import logprobs_from_hidden
+from hf_verl.data.preference import TokenizedPair, check_preference_columns, collate_pairs, tokenize_pair
+from hf_verl.data.prompts import ensure_pad_token
+from hf_verl.trainers.dpo_config import DPOConfig
+from hf_verl.trainers.on_policy import frozen_copy
+
+logger = logging.getLogger(__name__)
+
+TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def preference_accuracy(eval_pred) -> dict[str, float]:
+    """`compute_metrics` for DPO evaluation: share of pairs whose implicit reward ranks chosen first.
+
+    `eval_pred.predictions` holds `(chosen_reward, rejected_reward)` per pair.
+    """
+    import numpy as np
+
+    preds = np.asarray(eval_pred.predictions)
+    return {"preference_accuracy": float((preds[:, 0] > preds[:, 1]).mean())}
+
+
+def _weights_digest(model) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(tuple(p.shape)).encode())
+        h.update(f"{p.detach().double().sum().item():.10e}".encode())
+    return h.hexdigest()[:16]
+
+
+class SyncRefModelCallback(TrainerCallback):
+    """TR-DPO: every `ref_model_sync_steps`, `ref <- alpha * policy + (1 - alpha) * ref`."""
+
+    def __init__(self, trainer: DPOTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            with torch.no_grad():
+                for p_ref, p in zip(self.trainer.ref_model.parameters(), policy.parameters()):
+                    p_ref.mul_(1 - args.ref_model_mixup_alpha).add_(p.detach().to(p_ref.dtype),
+                                                                    alpha=args.ref_model_mixup_alpha)
+        return control
+
+
+class DPOTrainer(Trainer):
+    """Train a causal LM on preference pairs with DPO and its variants (TRL's arguments).
+
+    Args:
+        model (`str` or `PreTrainedModel`): the policy (Hub id, path or model).
+        ref_model (`str` or `PreTrainedModel`, *optional*): the reference; default a frozen copy of
+            `model` (with `peft_config`: the model with adapters disabled).
+        args ([`DPOConfig`]): the configuration.
+        data_collator: default: padded or padding-free pair batches (see `DPOConfig.padding_free`).
+        train_dataset / eval_dataset: `prompt`/`chosen`/`rejected` or `chosen`/`rejected` rows, text
+            or conversational.
+        processing_class: the tokenizer (loaded from `model` when omitted).
+        compute_metrics: for evaluation; receives `(chosen_reward, rejected_reward)` per pair as
+            predictions (see `preference_accuracy`).
+        callbacks, optimizers, peft_config: as in TRL.
+    """
+
+    _tag_names = ["hf_verl", "dpo"]
+
+    def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
+                 callbacks=None, optimizers=(None, None), peft_config=None) -> None:
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = DPOConfig(f"{str(name).split('/')[-1]}-DPO")
+        if ref_model is not None and ref_model is model:
+            raise ValueError("`model` and `ref_model` must be different objects; pass ref_model=None for a frozen "
+                             "copy (or, with peft, the model with adapters disabled).")
+        load_kwargs = dict(args.model_init_kwargs or {}, trust_remote_code=args.trust_remote_code, use_safetensors=True)
+        if isinstance(model, str):
+            model = AutoModelForCausalLM.from_pretrained(model, **load_kwargs)
+        if isinstance(ref_model, str):
+            ref_model = AutoModelForCausalLM.from_pretrained(ref_model, **load_kwargs)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
+                                                             trust_remote_code=args.trust_remote_code)
+        ensure_pad_token(processing_class)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        if args.disable_dropout:
+            for m in list(model.modules()) + (list(ref_model.modules()) if ref_model is not None else []):
+                if isinstance(m, nn.Dropout):
+                    m.p = 0.0
+        if args.gradient_checkpointing:
+            model.config.use_cache = False
+        self.is_peft = peft_config is not None or hasattr(model, "disable_adapter")
+        if ref_model is None and not self.is_peft:
+            ref_model = frozen_copy(model)
+        elif ref_model is not None:
+            ref_model = ref_model.eval().requires_grad_(False)
+        self.ref_model = ref_model
+        self.tokenizer_ = processing_class
+        self._data_stats: dict[str, float] = {}
+        train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
+        if eval_dataset is not None:
+            eval_dataset = self._prepare_dataset(eval_dataset, processing_class, args, "eval")
+        super().__init__(model=model, args=args, data_collator=data_collator or self._collate,
+                         train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+        if self.ref_model is not None:
+            self.ref_model.to(self.accelerator.device)
+        self.model_accepts_loss_kwargs = False
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        if args.precompute_ref_log_probs:
+            if self.train_dataset is not None:
+                self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
+            if self.eval_dataset is not None:
+                self.eval_dataset = self._with_reference_logps(self.eval_dataset, "eval")
+            if peft_config is None:
+                self.ref_model = None  # never used again: free it
+        if args.sync_ref_model:
+            if self.ref_model is None:
+                raise ValueError("sync_ref_model needs a reference model object; it cannot mix into disabled adapters.")
+            self.add_callback(SyncRefModelCallback(self))
+
+    # ------------------------------------------------------------------ data
+    def _prepare_dataset(self, dataset, tokenizer, args: DPOConfig, name: str):
+        if dataset is None:
+            return None
+        from datasets import IterableDataset
+
+        if isinstance(dataset, IterableDataset):
+            if args.precompute_ref_log_probs:
+                raise ValueError(
+                    f"precompute_ref_log_probs needs a map-style dataset to store the log-probs in; the {name} "
+                    "dataset is an IterableDataset. Load it without streaming, or set precompute_ref_log_probs=False."
+                )
+            columns = dataset.column_names or list(next(iter(dataset)).keys())
+        else:
+            columns = dataset.column_names
+        if all(c in columns for c in TOKEN_COLUMNS):
+            return dataset  # already tokenised
+        check_preference_columns(columns)
+
+        def tokenize(row, idx):
+            pair = tokenize_pair(row, tokenizer, args.max_length, args.truncation_mode, index=idx)
+            return {"prompt_ids": pair.prompt_ids, "chosen_ids": pair.chosen_ids, "rejected_ids": pair.rejected_ids,
+                    "truncated": pair.truncated, "identical": pair.identical}
+
+        map_kwargs = {} if isinstance(dataset, IterableDataset) else {
+            "num_proc": args.dataset_num_proc, "desc": f"Tokenizing the {name} preference dataset"}
+        dataset = dataset.map(tokenize, with_indices=True, **map_kwargs)
+        if isinstance(dataset, IterableDataset):
+            return dataset
+        n = len(dataset)
+        identical = int(sum(dataset["identical"]))
+        truncated = int(sum(dataset["truncated"]))
+        if identical:
+            logger.warning("%d of %d %s pairs have identical chosen and rejected completions: they carry no "
+                           "preference signal (counted in data/identical_pairs).", identical, n, name)
+        if truncated:
+            logger.info("%d of %d %s pairs were truncated to max_length=%s (%s).", truncated, n, name,
+                        args.max_length, args.truncation_mode)
+        empty = [i for i, (c, r) in enumerate(zip(dataset["chosen_ids"], dataset["rejected_ids"])) if not c or not r]
+        if empty:
+            logger.warning("dropping %d %s pairs whose prompt alone fills max_length=%s (first: row %d); raise "
+                           "max_length or use truncation_mode='keep_end'.", len(empty), name, args.max_length, empty[0])
+            keep = sorted(set(range(n)) - set(empty))
+            dataset = dataset.select(keep)
+        if name == "train":
+            self._data_stats = {"data/truncated_ratio": truncated / max(n, 1), "data/identical_pairs": float(identical),
+                                "data/dropped_pairs": float(len(empty))}
+        return dataset
+
+    def _collate(self, rows: list[dict]) -> dict:
+        pairs = [TokenizedPair(list(r["prompt_ids"]), list(r["chosen_ids"]), list(r["rejected_ids"])) for r in rows]
+        batch = collate_pairs(pairs, self.tokenizer_.pad_token_id, self.args.padding_free)
+        if REF_COLUMNS[0] in rows[0]:
+            for col in REF_COLUMNS:
+                batch[col] = torch.tensor([float(r[col]) for r in rows])
+        return batch
+
+    # ------------------------------------------------------------------ log-probs
+    def _sequence_logps(self, model, batch: dict):
+        """Summed completion log-probs, mean completion logits and token counts per sequence `(2B,)`."""
+        ids = batch["input_ids"]
+        kwargs = dict(output_hidden_states=True, logits_to_keep=1, use_cache=False)
+        if "position_ids" in batch:  # padding-free: packed sequences, positions restart per sequence
+            out = model(input_ids=ids, position_ids=batch["position_ids"], **kwargs)
+        else:
+            out = model(input_ids=ids, attention_mask=batch["attention_mask"], **kwargs)
+        hidden = out.hidden_states[-1][:, :-1]
+        labels = ids[:, 1:]
+        mask = batch["completion_mask"][:, 1:].to(hidden.dtype)
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        token_lp = logprobs_from_hidden(hidden, head.weight, labels, bias=head.bias, temperature=1.0,
+                                        chunk_size=self.args.logprob_chunk_size)[0]
+        with torch.no_grad():  # mean over the vocabulary of the logits = h . mean(W) (+ mean(b))
+            mean_logit = hidden.detach() @ head.weight.detach().mean(0).to(hidden.dtype)
+            if head.bias is not None:
+                mean_logit = mean_logit + head.bias.detach().mean()
+        if "seq_index" in batch:
+            index = batch["seq_index"]
+            # a position predicting the first token of the next packed sequence is not a completion token
+            mask = mask * (index[:, 1:] == index[:, :-1]).to(mask.dtype)
+            n = batch["num_sequences"]
+            seg = index[:, :-1].reshape(-1)
+
+            def segsum(x):
+                return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, seg, x.reshape(-1))
+        else:
+            def segsum(x):
+                return x.sum(1)
+
+        logps = segsum(token_lp * mask)
+        counts = segsum(mask)
+        logits = segsum(mean_logit.float() * mask.float()) / counts.float().clamp(min=1)
+        return logps, logits, counts
+
+    @torch.no_grad()
+    def _reference_logps(self, batch: dict) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._sequence_logps(self.ref_model, batch)[0]
+        with self.accelerator.unwrap_model(self.model).disable_adapter():
+            return self._sequence_logps(self.model, batch)[0]
+
+    def _with_reference_logps(self, dataset, name: str):
+        """Add `ref_chosen_logps` / `ref_rejected_logps` columns, from the on-disk cache when present."""
+        from safetensors.torch import load_file, save_file
+        from tqdm.auto import tqdm
+
+        ref = self.ref_model if self.ref_model is not None else self.accelerator.unwrap_model(self.model)
+        key = hashlib.sha256("|".join(map(str, [
+            getattr(dataset, "_fingerprint", None), _weights_digest(ref), self.ref_model is None,
+            self.args.max_length, self.args.truncation_mode])).encode()).hexdigest()[:24]
+        cache_dir = os.path.join(os.environ.get("HF_VERL_CACHE", os.path.expanduser("~/.cache/hf_verl")), "ref_logps")
+        path = os.path.join(cache_dir, f"{key}.safetensors")
+        if os.path.exists(path):
+            logger.info("reference log-probs of the %s dataset loaded from %s", name, path)
+            cached = load_file(path)
+            chosen, rejected = cached["chosen"], cached["rejected"]
+        else:
+            size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+            chosen, rejected = [], []
+            for start in tqdm(range(0, len(dataset), size), desc=f"Reference log-probs ({name})",
+                              disable=not self.is_local_process_zero()):
+                rows = dataset.select(range(start, min(start + size, len(dataset))))
+                batch = collate_pairs([TokenizedPair(list(r["prompt_ids"]), list(r["chosen_ids"]),
+                                                     list(r["rejected_ids"])) for r in rows],
+                                      self.tokenizer_.pad_token_id, self.args.padding_free)
+                batch = {k: v.to(self.accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                logps = self._reference_logps(batch).float().cpu()
+                c, r = logps.chunk(2)
+                chosen.append(c)
+                rejected.append(r)
+            chosen, rejected = torch.cat(chosen), torch.cat(rejected)
+            if self.is_world_process_zero():
+                os.makedirs(cache_dir, exist_ok=True)
+                save_file({"chosen": chosen.contiguous(), "rejected": rejected.contiguous()}, path)
+        dataset = dataset.remove_columns([c for c in REF_COLUMNS if c in dataset.column_names])
+        dataset = dataset.add_column(REF_COLUMNS[0], chosen.tolist())
+        return dataset.add_column(REF_COLUMNS[1], rejected.tolist())
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, model, inputs: dict, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        logps, logits, counts = self._sequence_logps(model, inputs)
+        if REF_COLUMNS[0] in inputs:
+            ref_c, ref_r = inputs[REF_COLUMNS[0]].to(logps.dtype), inputs[REF_COLUMNS[1]].to(logps.dtype)
+        else:
+            ref_c, ref_r = self._reference_logps(inputs).to(logps.dtype).chunk(2)
+        c, r = logps.chunk(2)
+        n_c, n_r = counts.chunk(2)
+        chosen_nll = -c.sum() / n_c.sum().clamp(min=1)
+        loss, parts = combined_dpo_loss(
+            args.loss_type, args.loss_weights, c, r, ref_c, ref_r, beta=args.beta,
+            label_smoothing=args.label_smoothing, f_divergence_type=args.f_divergence_type,
+            f_alpha_divergence_coef=args.f_alpha_divergence_coef, discopop_tau=args.discopop_tau,
+            chosen_nll=chosen_nll, chosen_lengths=n_c, rejected_lengths=n_r,
+        )
+        rc, rr = implicit_rewards(c, r, ref_c, ref_r, beta=args.beta)
+        m = self._metrics[mode]
+        for k, v in reward_metrics(rc, rr).items():
+            m[k].append(v)
+        lc, lr = logits.chunk(2)
+        m["logps/chosen"].append(c.detach().mean().item())
+        m["logps/rejected"].append(r.detach().mean().item())
+        m["logits/chosen"].append(lc.mean().item())
+        m["logits/rejected"].append(lr.mean().item())
+        if len(parts) > 1:
+            for name, value in parts.items():
+                m[f"loss/{name}"].append(float(value))
+        if return_outputs:
+            return loss, {"chosen_rewards": rc, "rejected_rewards": rr}
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, out = self.compute_loss(model, inputs, return_outputs=True)
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        preds = torch.stack([out["chosen_rewards"], out["rejected_rewards"]], dim=1)
+        return loss.detach(), preds, torch.zeros(preds.shape[0], dtype=torch.long, device=preds.device)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "eval" if any(k.startswith("eval_") for k in logs) else "train"
+        metrics = self._metrics[mode]
+        keys = sorted(k for k, v in metrics.items() if v)
+        values = torch.tensor([sum(metrics[k]) / len(metrics[k]) for k in keys], dtype=torch.float64)
+        if self.accelerator.num_processes > 1 and keys:
+            values = self.accelerator.reduce(values.to(self.accelerator.device), reduction="mean").cpu()
+        prefix = "eval_" if mode == "eval" else ""
+        logs.update({prefix + k: v for k, v in zip(keys, values.tolist())})
+        if mode == "train" and self._data_stats:
+            logs.update(self._data_stats)
+            self._data_stats = {}
+        metrics.clear()
+        super().log(logs, start_time)
