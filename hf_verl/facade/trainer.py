@@ -26,16 +26,7 @@ from typing import Any
 
 import torch
 
-from hf_verl.algorithms.advantages import grpo_advantages
-from hf_verl.algorithms.estimators import (
-    dr_grpo_advantages,
-    gae_advantages,
-    masked_whiten,
-    reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
-    rloo_advantages,
-    token_level_rewards,
-)
+from hf_verl.algorithms.estimators import compute_advantages, masked_whiten, token_level_rewards
 from hf_verl.algorithms.kl import kl_penalty
 from hf_verl.algorithms.policy_loss import aggregate_loss, masked_mean, ppo_clip_loss
 from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, is_conversational, tokenize_prompts
@@ -363,26 +354,16 @@ class Trainer:
     def _advantages(self, out: Rollout) -> None:
         """Fill `advantages` (and `token_rewards` / `returns`) with the configured estimator."""
         cfg, name = self.config, self._estimator()
-        scores, mask, G = out.rewards, out.completion_mask, cfg.group_size
-        maskf = mask.to(scores.dtype)
-        if name == "gae":
-            out.token_rewards, _ = token_level_rewards(scores, mask)
-            adv, out.returns = gae_advantages(out.token_rewards, out.values, mask, cfg.gamma, cfg.gae_lambda)
-            if cfg.whiten_advantages and mask.sum() > 1:
-                adv = masked_whiten(adv, mask) * maskf
-        elif name == "grpo":
-            adv = grpo_advantages(scores, G)[0].unsqueeze(-1) * maskf
-        elif name == "dr_grpo":
-            adv = dr_grpo_advantages(scores, mask, G)
-        elif name == "rloo":
-            adv = rloo_advantages(scores, mask, G)
-        elif name == "reinforce_plus_plus":
-            out.token_rewards, _ = token_level_rewards(scores, mask)
-            adv = reinforce_pp_advantages(out.token_rewards, mask, cfg.gamma)
-        else:  # reinforce_plus_plus_baseline
-            adv = reinforce_pp_baseline_advantages(scores, mask, G)
-        out.advantages = adv
-        self._record("advantages->rollout", {"advantages": adv, "returns": out.returns})
+        mask = out.completion_mask
+        if name in ("gae", "reinforce_plus_plus"):
+            out.token_rewards, _ = token_level_rewards(out.rewards, mask)
+        adv, returns = compute_advantages(name, scores=out.rewards, token_rewards=out.token_rewards,
+                                          values=out.values, mask=mask, num_generations=cfg.group_size,
+                                          gamma=cfg.gamma, lam=cfg.gae_lambda)
+        if name == "gae" and cfg.whiten_advantages and mask.sum() > 1:
+            adv = masked_whiten(adv, mask) * mask.to(adv.dtype)
+        out.advantages, out.returns = adv, returns
+        self._record("advantages->rollout", {"advantages": adv, "returns": returns})
 
     def _rollout_metrics(self, out: Rollout, per_func: torch.Tensor, timings: dict, num_truncated: int) -> dict:
         plen = out.prompt_mask.sum(-1).float()

@@ -1,0 +1,299 @@
+"""The role-level facade `hf_verl.Trainer`: lazy roles, config, the three-call loop, tracing."""
+
+import copy
+import json
+import logging
+
+import pytest
+import torch
+
+from tests.conftest import build_bpe_tokenizer, build_char_tokenizer
+
+ACTOR_ID = "Qwen/Qwen2.5-7B"
+
+
+def tiny_llama(tok, cls_name="LlamaForCausalLM", seed=0, vocab_extra=0, **kw):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4,
+                                      vocab_size=len(tok) + vocab_extra, pad_token_id=tok.pad_token_id,
+                                      eos_token_id=tok.eos_token_id, bos_token_id=None, **kw)
+    return getattr(transformers, cls_name)(config)
+
+
+def count_a(prompts, completions, completion_ids, **kwargs):
+    return [float(c.count("a")) for c in completions]
+
+
+def make_trainer(tok=None, critic=False, **kwargs):
+    from hf_verl import Trainer
+
+    tok = tok or build_char_tokenizer()
+    config = dict(group_size=4, max_new_tokens=4, actor_lr=1e-2, critic_lr=1e-2, seed=0)
+    config.update(kwargs.pop("config", {}))
+    critic_model = None
+    if critic:
+        critic_model = tiny_llama(tok, "LlamaForSequenceClassification", seed=1, num_labels=1)
+    return Trainer(actor_model=kwargs.pop("actor", None) or tiny_llama(tok), critic_model=critic_model,
+                   reward_model=kwargs.pop("reward_model", count_a), tokenizer=tok, config=config, **kwargs)
+
+
+PROMPTS = ["abc=", "hello", "xyz a"]
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def changed(before, model):
+    after = dict(model.named_parameters())
+    return [n for n, p in before.items() if not torch.equal(p, after[n])]
+
+
+# ---------------------------------------------------------------------- lazy roles, offline
+def test_construction_is_lazy_and_offline_and_first_use_names_the_role(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+    import transformers
+
+    from hf_verl import Trainer
+    from hf_verl.facade.roles import RoleLoadError
+
+    home = tmp_path / "hf_home"
+    home.mkdir()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("construction must not load anything")
+
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoModelForSequenceClassification,
+                transformers.AutoTokenizer):
+        monkeypatch.setattr(cls, "from_pretrained", forbidden)
+    trainer = Trainer(actor_model=ACTOR_ID, critic_model=ACTOR_ID, reward_model=[count_a, "org/reward-7b"],
+                      reference_model=ACTOR_ID, tokenizer=None, dataset=None, config=None)
+    assert not trainer.actor.loaded and not trainer.critic.loaded and not trainer.reference.loaded
+    assert list(home.iterdir()) == []
+    assert trainer.config.group_size == 8 and trainer.config.rollout_batch_size == 16
+
+    with pytest.raises(RoleLoadError, match=r"actor model 'Qwen/Qwen2\.5-7B'.*HF_HUB_OFFLINE"):
+        trainer.rollout(["abc"])
+    with pytest.raises(RoleLoadError, match=r"reference model 'Qwen/Qwen2\.5-7B'"):
+        trainer.reference.get()
+    with pytest.raises(RoleLoadError, match=r"critic model 'Qwen/Qwen2\.5-7B'"):
+        trainer.critic.get()
+    with pytest.raises(RoleLoadError, match=r"reward model 'org/reward-7b'"):
+        trainer.reward_funcs[1](prompts=["a"], completions=["b"])
+    assert list(home.iterdir()) == []
+
+
+# ---------------------------------------------------------------------- config
+def test_config_validation_messages_and_defaults():
+    from hf_verl.facade.config import TrainerConfig
+
+    cfg = TrainerConfig()
+    assert (cfg.gae_lambda, cfg.gamma, cfg.clip_range, cfg.value_clip_range, cfg.kl_coef) == (0.95, 1.0, 0.2, 0.2, 0.0)
+    assert (cfg.actor_lr, cfg.critic_lr, cfg.estimator) == (1e-6, 1e-5, "auto")
+    with pytest.raises(AttributeError, match="Did you mean 'temperature'"):
+        cfg.temprature = 0.5
+    with pytest.raises(AttributeError, match="'actor_lr'"):
+        cfg.actor_rl = 1e-3
+    with pytest.raises(AttributeError, match="'group_size'"):
+        cfg.group_sise  # noqa: B018 - reading an unknown name fails the same way
+    with pytest.raises(TypeError, match=r"group_size must be an int >= 1, got str"):
+        cfg.group_size = "8"
+    with pytest.raises(TypeError, match="an int >= 1"):
+        cfg.group_size = True
+    with pytest.raises(ValueError, match=r"clip_range must be a finite float > 0, got -1"):
+        cfg.clip_range = -1
+    with pytest.raises(ValueError, match=r"gae_lambda must be a float in \[0, 1\]"):
+        cfg.gae_lambda = 1.5
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        cfg.estimator = "ppo"
+    with pytest.raises(ValueError, match="model_size"):
+        cfg.model_size = "seven billion"
+    cfg.model_size = "7B"
+    cfg.model_size = 7_000_000_000
+    cfg.actor_lr = 1  # ints are accepted for floats
+    assert cfg.actor_lr == 1.0 and isinstance(cfg.actor_lr, float)
+
+
+def test_config_changes_take_effect_at_next_step_and_rollout():
+    trainer = make_trainer()
+    seen = []
+    generate = trainer.engine.generate
+    trainer.engine.generate = lambda ids, sampling: seen.append(sampling) or generate(ids, sampling)
+    trainer.step(trainer.compute_loss(trainer.rollout(PROMPTS)))
+    opt = trainer._actor_opt
+    trainer.config.actor_lr = 3e-3
+    assert trainer._actor_opt is opt and all(g["lr"] == 3e-3 for g in opt.param_groups)
+    trainer.config.temperature = 0.5
+    trainer.config.group_size = 2
+    rollout = trainer.rollout(PROMPTS)
+    assert seen[-1].temperature == 0.5 and rollout.batch_size == 2 * len(PROMPTS)
+    metrics = trainer.step(trainer.compute_loss(rollout))
+    assert metrics["lr/actor"] == 3e-3
+
+
+# ---------------------------------------------------------------------- parallelisms
+def test_supported_parallelisms_are_truthful(monkeypatch):
+    import importlib.util
+
+    trainer = make_trainer()
+    assert trainer.supported_parallelisms() == ["data"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "hf_verl.parallel.ulysses" else real(name, *a))
+    assert trainer.supported_parallelisms() == ["data", "sequence"]
+
+
+# ---------------------------------------------------------------------- the loop
+def test_three_call_loop_trains_the_actor_without_critic():
+    trainer = make_trainer()
+    before = snapshot(trainer.model)
+    for _ in range(2):
+        rollout = trainer.rollout(PROMPTS)
+        assert rollout.batch_size == 12 and len(rollout.completions) == 12 and rollout.prompts[:4] == ["abc="] * 4
+        assert rollout.advantages.shape == rollout.completion_ids.shape and rollout.values is None
+        loss = trainer.compute_loss(rollout)
+        assert torch.isfinite(loss)
+        metrics = trainer.step(loss)
+    assert metrics["weight_version"] == 2 and metrics["step"] == 2
+    for key in ("loss/policy", "entropy", "grad_norm/actor", "reward/mean", "rollout/generated_tokens",
+                "rollout/prompt_length_mean", "time/reward_s", "time/reference_s", "time/critic_s",
+                "memory/peak_mb", "reward/count_a/mean"):
+        assert key in metrics, key
+    assert metrics["memory/peak_mb"] > 0
+    moved = changed(before, trainer.model)
+    assert len(moved) >= 0.9 * len(before), f"only {len(moved)}/{len(before)} params changed"
+
+
+def test_three_call_loop_trains_actor_and_critic_with_gae_and_minibatches():
+    trainer = make_trainer(critic=True)
+    actor_before, critic_before = snapshot(trainer.model), snapshot(trainer.critic.get())
+    rollout = trainer.rollout(PROMPTS)
+    assert rollout.values.shape == rollout.returns.shape == rollout.completion_ids.shape
+    for mb in rollout.split(6):  # one PPO epoch over two mini-batches
+        metrics = trainer.step(trainer.compute_loss(mb))
+        assert torch.isfinite(torch.tensor(metrics["loss/total"])) and "loss/value" in metrics
+    assert trainer._critic_opt.param_groups[0]["lr"] == 1e-2 and metrics["lr/critic"] == 1e-2
+    assert changed(actor_before, trainer.model)
+    # the classification-only pooling path is unused for per-token values; every trained tensor moved
+    moved = changed(critic_before, trainer.critic.get())
+    assert len(moved) == len(critic_before), set(critic_before) - set(moved)
+    trainer.config.estimator = "grpo"
+    with pytest.raises(ValueError, match="does not use the critic"):
+        trainer.rollout(PROMPTS)
+
+
+def test_dataloader_dict_batch_columns_reach_rewards_and_dataset_draws():
+    from datasets import Dataset
+    from torch.utils.data import DataLoader
+
+    seen = {}
+
+    def with_answer(prompts, completions, completion_ids, answer, **kwargs):
+        seen["answer"] = answer
+        return [1.0 if c.startswith(a) else 0.0 for c, a in zip(completions, answer)]
+
+    ds = Dataset.from_dict({"prompt": ["ab=", "cd=", "ef="], "answer": ["b", "d", "f"]})
+    trainer = make_trainer(reward_model=with_answer, dataset=ds, config={"group_size": 2, "rollout_batch_size": 2})
+    batch = next(iter(DataLoader(ds, batch_size=3)))
+    rollout = trainer.rollout(batch)
+    assert seen["answer"] == ["b", "b", "d", "d", "f", "f"] and rollout.columns["answer"] == seen["answer"]
+    assert rollout.split(2)[1].columns["answer"] == ["d", "d"]
+    assert trainer.rollout().batch_size == 4  # drawn from the dataset: rollout_batch_size x group_size
+
+
+def test_conversational_prompts_and_reward_model_with_its_own_tokenizer():
+    rm_tok = build_bpe_tokenizer()
+    reward_model = tiny_llama(rm_tok, "LlamaForSequenceClassification", seed=2, num_labels=1)
+    trainer = make_trainer(reward_model=[count_a, reward_model], reward_tokenizer=rm_tok)
+    rollout = trainer.rollout([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "abc"}]])
+    assert rollout.rewards.shape == (8,) and torch.isfinite(rollout.rewards).all()
+    assert trainer.step(trainer.compute_loss(rollout))["weight_version"] == 1
+
+
+# ---------------------------------------------------------------------- tracing and debug
+def test_debug_mode_writes_jsonl_records_at_role_boundaries(tmp_path):
+    path = tmp_path / "debug" / "records.jsonl"
+    trainer = make_trainer(critic=True, config={"debug_path": str(path)})
+    trainer.debug_mode = True
+    rollout = trainer.rollout(PROMPTS)
+    trainer.step(trainer.compute_loss(rollout))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows and all(r["trace_id"] == rollout.trace_id for r in rows)
+    boundaries = {r["boundary"] for r in rows}
+    assert {"actor->rollout", "reward->rollout", "actor->critic", "critic->rollout", "advantages->rollout",
+            "rollout->actor", "compute_loss->step"} <= boundaries
+    values = next(r for r in rows if r["boundary"] == "critic->rollout" and r["name"] == "values")
+    assert values["shape"] == list(rollout.completion_ids.shape) and values["dtype"] == "float32"
+    assert values["device"] == "cpu"
+
+
+def test_trace_id_reaches_every_log_line_and_the_metrics(caplog):
+    trainer = make_trainer()
+    caplog.set_level(logging.INFO, logger="hf_verl.facade")
+    rollout = trainer.rollout(PROMPTS)
+    metrics = trainer.step(trainer.compute_loss(rollout))
+    assert len(rollout.trace_id) == 12 and metrics["trace_id"] == rollout.trace_id
+    records = [r for r in caplog.records if r.name.startswith("hf_verl.facade")]
+    messages = " | ".join(r.getMessage() for r in records)
+    assert "rollout:" in messages and "compute_loss:" in messages and "step 1:" in messages
+    assert all(r.trace_id == rollout.trace_id for r in records)
+    assert all(f"[trace={rollout.trace_id}]" in r.getMessage() for r in records)
+    assert trainer.rollout(PROMPTS).trace_id != rollout.trace_id
+
+
+# ---------------------------------------------------------------------- role pairings
+def test_reference_in_another_dtype_is_moved_and_logged_once(caplog):
+    tok = build_char_tokenizer()
+    actor = tiny_llama(tok)
+    reference = copy.deepcopy(actor).to(torch.float64)
+    trainer = make_trainer(tok, actor=actor, reference_model=reference, config={"kl_coef": 0.1})
+    caplog.set_level(logging.INFO, logger="hf_verl.facade")
+    rollout = trainer.rollout(PROMPTS)
+    trainer.rollout(PROMPTS)
+    moves = [r.getMessage() for r in caplog.records if "moving rollout tensors" in r.getMessage()]
+    assert len(moves) == 1
+    assert "actor (cpu, torch.float32)" in moves[0] and "reference (cpu, torch.float64)" in moves[0]
+    assert rollout.ref_logprobs.dtype == torch.float32
+    torch.testing.assert_close(rollout.ref_logprobs, rollout.old_logprobs, atol=1e-4, rtol=0)
+    metrics = trainer.step(trainer.compute_loss(rollout))
+    assert abs(metrics["kl"]) < 1e-6
+
+
+def test_peft_actor_with_adapters_disabled_is_the_reference():
+    from peft import LoraConfig, get_peft_model
+
+    tok = build_char_tokenizer()
+    actor = get_peft_model(tiny_llama(tok), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer = make_trainer(tok, actor=actor, config={"kl_coef": 0.05})
+    rollout = trainer.rollout(PROMPTS)
+    torch.testing.assert_close(rollout.ref_logprobs, rollout.old_logprobs)  # LoRA B starts at 0
+    before = snapshot(actor)
+    trainer.step(trainer.compute_loss(rollout))
+    assert changed(before, actor) and all("lora" in n for n in before)
+
+
+def test_vocabulary_mismatch_is_an_error_naming_both_roles():
+    tok = build_char_tokenizer()
+    with pytest.raises(ValueError, match=r"actor .* vocabulary of \d+ tokens but the reference"):
+        make_trainer(tok, reference_model=tiny_llama(tok, vocab_extra=5))
+    from hf_verl import Trainer
+
+    critic = tiny_llama(tok, "LlamaForSequenceClassification", vocab_extra=3, num_labels=1)
+    with pytest.raises(ValueError, match="but the critic"):
+        Trainer(actor_model=tiny_llama(tok), critic_model=critic, reward_model=count_a, tokenizer=tok)
+
+
+def test_reward_returning_nan_is_an_error_naming_the_function():
+    def broken_reward(prompts, completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    trainer = make_trainer(reward_model=broken_reward)
+    with pytest.raises(ValueError, match="'broken_reward' returned nan"):
+        trainer.rollout(PROMPTS)
