@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-verl", description="RL post-training of LLMs with Hugging Face.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="Train a tiny model on a verifiable task with RL, offline, on a CPU.")
-    demo.add_argument("--algo", default="grpo", choices=["grpo"], help="RL algorithm (only grpo for now).")
+    demo.add_argument("--algo", default="grpo", choices=["grpo", "ppo", "dpo"],
+                      help="grpo (group-relative, no critic), ppo (critic + GAE) or dpo (offline preferences).")
     demo.add_argument("--model", default=None, help="Hub id or path of a causal LM (default: a tiny Llama built in code).")
     demo.add_argument("--dataset", default=None,
                       help="Dataset name/path with 'prompt' and 'answer' columns (default: the reverse-string task).")
@@ -33,7 +34,9 @@ def print_summary(result) -> None:
     print(f"warm-up: {result.warmup_steps} supervised steps, train greedy accuracy {result.warmup_train_accuracy:.1%}")
     print(f"held-out greedy accuracy before RL: {result.accuracy_before:.1%}")
     print(f"held-out greedy accuracy after  RL: {result.accuracy_after:.1%}  "
-          f"({result.rl_steps} GRPO steps, {result.rl_seconds:.0f} s)")
+          f"({result.rl_steps} optimizer steps, {result.rl_seconds:.0f} s)")
+    for key, value in result.extra.items():
+        print(f"{key.replace('_', ' ')}: {value:.1%}")
     print(f"wrote {', '.join(result.files)} (total {result.wall_seconds:.0f} s)")
 
 

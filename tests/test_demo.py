@@ -28,8 +28,8 @@ def test_reverse_reward_is_exact_match():
 def test_unknown_algo_is_refused():
     from hf_verl.demo.run import run_demo
 
-    with pytest.raises(ValueError, match="only --algo grpo"):
-        run_demo("/tmp/unused", algo="ppo")
+    with pytest.raises(ValueError, match="--algo must be one of"):
+        run_demo("/tmp/unused", algo="dpo")
 
 
 @pytest.mark.slow

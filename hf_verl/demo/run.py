@@ -31,6 +31,60 @@ class DemoResult:
     wall_seconds: float
     output_dir: str
     files: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+
+ALGOS = ("grpo", "ppo", "dpo")
+REWARD_KEY = {"grpo": "reward", "ppo": "objective/scores", "dpo": "rewards/accuracies"}
+
+
+def corrupt(answer: str, rng) -> str:
+    """A wrong answer close to the right one: two different positions swapped, or one letter changed."""
+    from hf_verl.demo.task import ALPHABET
+
+    chars = list(answer)
+    i, j = rng.sample(range(len(chars)), 2)
+    chars[i], chars[j] = chars[j], chars[i]
+    if "".join(chars) == answer:
+        chars[i] = rng.choice([c for c in ALPHABET if c != chars[i]])
+    return "".join(chars)
+
+
+@torch.no_grad()
+def preference_pairs(model, tokenizer, prompts, answers, seed: int = 0, max_new_tokens: int = 6,
+                     batch_size: int = 256) -> dict[str, list[str]]:
+    """Synthetic preferences for the demo task: chosen = the right answer; rejected = the model's own
+    greedy answer where it is wrong (the mistakes worth unlearning), else a near-miss corruption."""
+    import random
+
+    rng = random.Random(seed)
+    model.eval()
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    rejected = []
+    for i in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = {k: v.to(device) for k, v in enc.items()}
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        for text, answer in zip(texts, answers[i : i + batch_size]):
+            text = text.strip()
+            rejected.append(text if text and text != answer else corrupt(answer, rng))
+    model.train()
+    return {"prompt": list(prompts), "chosen": list(answers), "rejected": rejected}
+
+
+def build_critic(policy):
+    """A value model on the policy's architecture, its backbone initialised from the policy (as
+    verl initialises the critic from the actor), with a fresh one-output `score` head."""
+    from transformers import LlamaForSequenceClassification
+
+    config = policy.config.to_dict()
+    config.update(num_labels=1, architectures=["LlamaForSequenceClassification"])
+    critic = LlamaForSequenceClassification(type(policy.config).from_dict(config))
+    critic.model.load_state_dict(policy.model.state_dict())
+    return critic
 
 
 def build_tiny_model(tokenizer, seed: int = 0):
@@ -123,15 +177,15 @@ def _time_budget_callback(seconds: float):
     return TimeBudget()
 
 
-def _quiet_progress_callback():
+def _quiet_progress_callback(key: str = "reward"):
     """The Trainer's progress bar, with the latest reward shown on the bar instead of a printed
     dict per log line (every line still lands in `metrics.jsonl`)."""
     from transformers.trainer_callback import ProgressCallback
 
     class RewardOnBar(ProgressCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and self.training_bar is not None and logs and "reward" in logs:
-                self.training_bar.set_postfix(reward=f"{logs['reward']:.3f}", refresh=False)
+            if state.is_world_process_zero and self.training_bar is not None and logs and key in logs:
+                self.training_bar.set_postfix({key: f"{logs[key]:.3f}"}, refresh=False)
 
     return RewardOnBar
 
@@ -151,17 +205,17 @@ def _load_data(dataset_name: str | None, seed: int):
     return list(tr["prompt"]), [str(a) for a in tr["answer"]], list(te["prompt"]), [str(a) for a in te["answer"]]
 
 
-def _plot_rewards(history: list[dict], path: str) -> None:
+def _plot_rewards(history: list[dict], path: str, key: str = "reward", algo: str = "GRPO") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [(h["step"], h["reward"]) for h in history if "reward" in h]
+    pts = [(h["step"], h[key]) for h in history if key in h]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if pts:
         ax.plot(*zip(*pts), marker=".", linewidth=1)
-    ax.set_xlabel("GRPO step")
+    ax.set_xlabel(f"{algo} optimizer step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("Reverse-string task: reward per step")
@@ -182,13 +236,14 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
     5 letters): `max_steps` GRPO steps of `prompts_per_step` x `num_generations` completions at a
     constant `learning_rate`, stopped early after `rl_seconds`.
     """
-    if algo != "grpo":
-        raise ValueError(f"only --algo grpo is available in this release, got {algo!r}.")
+    if algo not in ALGOS:
+        raise ValueError(f"--algo must be one of {ALGOS}, got {algo!r}.")
     from transformers import set_seed
 
     from hf_verl.trainers.grpo_config import GRPOConfig
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
 
+    pref_before = None
     t_start = time.monotonic()
     os.makedirs(output_dir, exist_ok=True)
     set_seed(seed)
@@ -216,21 +271,46 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
     from datasets import Dataset
 
     train_ds = Dataset.from_dict({"prompt": train_p, "answer": train_a})
-    args = GRPOConfig(
-        output_dir=os.path.join(output_dir, "trainer"), num_generations=num_generations,
-        per_device_train_batch_size=prompts_per_step * num_generations, max_completion_length=max_completion_length,
-        max_prompt_length=None, temperature=1.0, beta=0.0, learning_rate=learning_rate,
-        lr_scheduler_type="constant", warmup_steps=0, gradient_checkpointing=False, use_cpu=True, report_to=[],
-        logging_steps=1, max_steps=max_steps, save_strategy="no", seed=seed, disable_tqdm=disable_tqdm,
-        dataloader_num_workers=0,
+    common = dict(
+        output_dir=os.path.join(output_dir, "trainer"), max_prompt_length=None, temperature=1.0,
+        learning_rate=learning_rate, lr_scheduler_type="constant", warmup_steps=0, gradient_checkpointing=False,
+        use_cpu=True, report_to=[], logging_steps=1, max_steps=max_steps, save_strategy="no", seed=seed,
+        disable_tqdm=disable_tqdm, dataloader_num_workers=0,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reverse_reward, args=args, train_dataset=train_ds,
-                          processing_class=tokenizer, callbacks=[_time_budget_callback(rl_seconds)])
+    callbacks = [_time_budget_callback(rl_seconds)]
+    if algo == "grpo":
+        args = GRPOConfig(num_generations=num_generations, per_device_train_batch_size=prompts_per_step * num_generations,
+                          max_completion_length=max_completion_length, beta=0.0, **common)
+        trainer = GRPOTrainer(model=model, reward_funcs=reverse_reward, args=args, train_dataset=train_ds,
+                              processing_class=tokenizer, callbacks=callbacks)
+    elif algo == "dpo":
+        from hf_verl.trainers.dpo_config import DPOConfig
+        from hf_verl.trainers.dpo_trainer import DPOTrainer, preference_accuracy
+
+        train_pairs = Dataset.from_dict(preference_pairs(model, tokenizer, train_p, train_a, seed))
+        test_pairs = Dataset.from_dict(preference_pairs(model, tokenizer, test_p, test_a, seed + 1))
+        dpo_common = {k: v for k, v in common.items() if k not in ("max_prompt_length", "temperature")}
+        args = DPOConfig(per_device_train_batch_size=prompts_per_step * num_generations // 2, beta=0.1,
+                         max_length=32, per_device_eval_batch_size=256, eval_strategy="no", **dpo_common)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=train_pairs, eval_dataset=test_pairs,
+                             processing_class=tokenizer, compute_metrics=preference_accuracy, callbacks=callbacks)
+        pref_before = trainer.evaluate()["eval_preference_accuracy"]
+    else:
+        from hf_verl.trainers.ppo_config import PPOConfig
+        from hf_verl.trainers.ppo_trainer import PPOTrainer
+
+        # one rollout of prompts_per_step x num_generations completions, 2 epochs x 2 mini-batches
+        args = PPOConfig(per_device_train_batch_size=prompts_per_step * num_generations // 2,
+                         gradient_accumulation_steps=2, num_mini_batches=2, num_ppo_epochs=2,
+                         response_length=max_completion_length, stop_token="eos", kl_coef=0.0,
+                         critic_learning_rate=2 * learning_rate, vf_coef=0.5, **common)
+        trainer = PPOTrainer(args=args, processing_class=tokenizer, model=model, reward_model=reverse_reward,
+                             train_dataset=train_ds, value_model=build_critic(model), callbacks=callbacks)
     if not disable_tqdm:
         from transformers.trainer_callback import ProgressCallback
 
         trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(_quiet_progress_callback())
+        trainer.add_callback(_quiet_progress_callback(REWARD_KEY[algo]))
     t_rl = time.monotonic()
     trainer.train()
     rl_secs = time.monotonic() - t_rl
@@ -238,6 +318,10 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
     model = trainer.model
     acc_after = greedy_accuracy(model, tokenizer, test_p, test_a, max_new_tokens=max_completion_length)
     logger.info("held-out greedy accuracy after RL: %.3f", acc_after)
+    extra = {}
+    if algo == "dpo":
+        extra = {"preference_accuracy_before": pref_before,
+                 "preference_accuracy_after": trainer.evaluate()["eval_preference_accuracy"]}
 
     history = trainer.state.log_history
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
@@ -245,12 +329,13 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
         for entry in history:
             f.write(json.dumps(entry) + "\n")
     plot_path = os.path.join(output_dir, "reward.png")
-    _plot_rewards(history, plot_path)
+    _plot_rewards(history, plot_path, REWARD_KEY[algo], algo.upper())
     summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "warmup_steps": warm_steps,
-               "warmup_train_accuracy": warm_acc, "rl_steps": trainer.state.global_step, "rl_seconds": rl_secs}
+               "warmup_train_accuracy": warm_acc, "rl_steps": trainer.state.global_step, "rl_seconds": rl_secs,
+               "algo": algo, **extra}
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return DemoResult(accuracy_before=acc_before, accuracy_after=acc_after, warmup_steps=warm_steps,
                       warmup_train_accuracy=warm_acc, rl_steps=trainer.state.global_step, rl_seconds=rl_secs,
                       wall_seconds=time.monotonic() - t_start, output_dir=output_dir,
-                      files=[metrics_path, plot_path])
+                      files=[metrics_path, plot_path], extra=extra)
