@@ -168,3 +168,40 @@ def test_bad_reward_mid_run_saves_a_resumable_checkpoint(tmp_path):
                           train_dataset=ds, processing_class=tok)
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.state.global_step == 3
+
+
+@pytest.mark.parametrize("estimator", ["dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_critic_free_estimators_train(tmp_path, estimator):
+    tok = build_char_tokenizer()
+    model = _model(tok)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab"] * 2})
+    trainer = GRPOTrainer(model=model, reward_funcs=count_a, args=_args(tmp_path, advantage_estimator=estimator,
+                                                                         max_steps=2), train_dataset=ds,
+                          processing_class=tok)
+    trainer.train()
+    (mb,) = trainer._buffer
+    assert mb.advantages.shape == mb.completion_ids.shape  # token-level
+    assert torch.all(mb.advantages[mb.completion_mask == 0] == 0)
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_remax_baseline_is_the_greedy_score(tmp_path):
+    from hf_verl.rollout.base import SamplingParams
+
+    tok = build_char_tokenizer()
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab"] * 2})
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(
+        tmp_path, advantage_estimator="remax", max_steps=1, learning_rate=0.0, temperature=1.5),
+        train_dataset=ds, processing_class=tok)
+    trainer.train()
+    (mb,) = trainer._buffer
+    greedy = trainer.engine.generate(mb.meta["prompt_ids"], SamplingParams(max_new_tokens=6, temperature=0.0))
+    baseline = torch.tensor(count_a(tok.batch_decode(greedy.completion_ids, skip_special_tokens=True)))
+    first = mb.advantages[:, 0]
+    assert torch.allclose(first, mb.rewards - baseline)
+
+
+def test_gae_is_refused_without_a_critic(tmp_path):
+    with pytest.raises(ValueError, match="'gae' needs a critic: use PPOTrainer"):
+        _args(tmp_path, advantage_estimator="gae")

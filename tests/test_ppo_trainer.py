@@ -150,3 +150,18 @@ def test_resume_restores_policy_and_critic(tmp_path):
     resumed = run(str(tmp_path / "checkpoint-4"))
     for step in range(5, 9):  # a round = 2 epochs x 2 mini-batches: checkpoint-4 is a round boundary
         assert resumed[step] == pytest.approx(full[step], rel=1e-4, abs=1e-6)
+
+
+def test_remax_runs_a_greedy_baseline(tmp_path):
+    tok = build_char_tokenizer()
+    ds = Dataset.from_dict({"prompt": ["abc", "b"] * 4})
+    calls = []
+
+    def counting(completions, **kwargs):
+        calls.append(len(completions))
+        return count_a(completions)
+
+    args = _args(tmp_path, advantage_estimator="remax", max_steps=1, kl_coef=0.0)
+    trainer = PPOTrainer(args=args, processing_class=tok, model=_policy(tok), reward_model=counting, train_dataset=ds)
+    trainer.train()
+    assert calls == [8, 2]  # 8 sampled completions, then one greedy completion per distinct prompt

@@ -16,6 +16,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_verl.algorithms.advantages import SCALE_REWARDS
+from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
 
 
@@ -65,6 +66,8 @@ class GRPOConfig(TrainingArguments):
     reward_weights: list[float] | None = field(default=None, metadata=_help("One weight per reward function; default all 1."))
     scale_rewards: str = field(default="group", metadata=_help("'group', 'batch' or 'none' (True/False accepted as in TRL)."))
     loss_type: str = field(default="dapo", metadata=_help(f"One of {LOSS_TYPES}."))
+    advantage_estimator: str = field(default="grpo", metadata=_help(
+        "Critic-free estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."))
     mask_truncated_completions: bool = field(default=False, metadata=_help("Exclude completions that hit max_completion_length from the loss."))
     logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
     log_completions: bool = field(default=False, metadata=_help("Log a sample of completions."))
@@ -84,6 +87,11 @@ class GRPOConfig(TrainingArguments):
             )
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"unknown loss_type {self.loss_type!r}; choose one of {LOSS_TYPES}.")
+        if self.advantage_estimator == "gae":
+            raise ValueError("advantage_estimator='gae' needs a critic: use PPOTrainer with a value_model.")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"unknown advantage_estimator {self.advantage_estimator!r}; choose one of "
+                             f"{tuple(e for e in ADVANTAGE_ESTIMATORS if e != 'gae')}.")
         if self.scale_rewards not in SCALE_REWARDS:
             raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}.")
         if self.max_completion_length < 1:

@@ -76,7 +76,11 @@ class GRPOTrainer(OnPolicyTrainer):
         advantages, group_std = grpo_advantages(all_rewards, args.num_generations, args.scale_rewards)
         n, rank = local.shape[0], acc.process_index
         batch.rewards = local
-        batch.advantages = advantages[rank * n : (rank + 1) * n]
+        if args.advantage_estimator == "grpo":
+            batch.advantages = advantages[rank * n : (rank + 1) * n]
+        else:  # another critic-free estimator, token-level (B, C)
+            greedy = self._greedy_baseline_scores(batch, rows) if args.advantage_estimator == "remax" else None
+            batch.advantages = self._global_advantages(local, batch.completion_mask, greedy)
         batch.validate()
         # dapo: token mean over the round; each micro-batch loss is later divided by grad accumulation
         normalizer = self._global_tokens(batch) / (args.steps_per_generation * args.world_size)

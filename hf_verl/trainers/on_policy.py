@@ -16,6 +16,7 @@ logprob_chunk_size, reward_weights, and the sampling fields named in `_sampling_
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -28,7 +29,7 @@ from hf_verl.algorithms.logprobs import logprobs_from_hidden
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, pretokenized_prompts, tokenize_prompts
 from hf_verl.data.samplers import RepeatGroupSampler
-from hf_verl.rewards.callables import reward_func_name, score_reward_funcs
+from hf_verl.rewards.callables import combine_rewards, reward_func_name, score_reward_funcs
 from hf_verl.rewards.reward_model import RewardModelScorer
 from hf_verl.rollout.base import FINISH_LENGTH, SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
@@ -152,6 +153,7 @@ class OnPolicyTrainer(Trainer):
         )
         batch.is_truncated = torch.tensor([r == FINISH_LENGTH for r in out.finish_reasons], device=batch.device)
         batch.meta["prompts"] = prompts
+        batch.meta["prompt_ids"] = [list(p) for p in prompt_ids]
         batch.meta["completions"] = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
         batch.meta["completion_ids"] = out.completion_ids
         return batch
@@ -166,6 +168,47 @@ class OnPolicyTrainer(Trainer):
         scores = score_reward_funcs(self.reward_funcs, prompts=prompts, completions=completions,
                                     completion_ids=batch.meta["completion_ids"], columns=columns)
         return scores.to(batch.device)
+
+    @torch.no_grad()
+    def _greedy_baseline_scores(self, batch: RolloutBatch, rows: list[dict]) -> torch.Tensor:
+        """ReMax's baseline: the combined score of one greedy completion per distinct prompt, `(N,)`."""
+        keys = [tuple(p) for p in batch.meta["prompt_ids"]]
+        first = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        unique = list(first.values())
+        sampling = dataclasses.replace(self._sampling_params(), temperature=0.0)
+        out = self.engine.generate([batch.meta["prompt_ids"][i] for i in unique], sampling)
+        texts = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
+        prompts = [batch.meta["prompts"][i] for i in unique]
+        completions = ([[{"role": "assistant", "content": c}] for c in texts] if isinstance(prompts[0], list)
+                       else texts)
+        columns = {k: [rows[i][k] for i in unique] for k in rows[0] if k not in ("prompt", "input_ids")}
+        scores = score_reward_funcs(self.reward_funcs, prompts=prompts, completions=completions,
+                                    completion_ids=out.completion_ids, columns=columns)
+        combined = combine_rewards(scores, self.args.reward_weights).to(batch.device)
+        where = {k: j for j, k in enumerate(first)}
+        return combined[torch.tensor([where[k] for k in keys], device=batch.device)]
+
+    def _global_advantages(self, scores: torch.Tensor, mask: torch.Tensor,
+                           greedy_scores: torch.Tensor | None = None) -> torch.Tensor:
+        """A critic-free estimator (`args.advantage_estimator`) over the global round, sliced back
+        to this process's rows and columns: groups and batch statistics span processes."""
+        from hf_verl.algorithms.estimators import compute_advantages, token_level_rewards
+
+        acc, args = self.accelerator, self.args
+        n, width = mask.shape
+        all_scores = acc.gather(scores)
+        all_mask = acc.gather(acc.pad_across_processes(mask, dim=1))
+        all_greedy = acc.gather(greedy_scores) if greedy_scores is not None else None
+        token_rewards, _ = token_level_rewards(all_scores, all_mask)
+        advantages, _ = compute_advantages(
+            args.advantage_estimator, scores=all_scores, token_rewards=token_rewards, mask=all_mask,
+            num_generations=args.num_generations, gamma=getattr(args, "gamma", 1.0), greedy_scores=all_greedy,
+            scale_rewards=getattr(args, "scale_rewards", "group"),
+        )
+        rank = acc.process_index
+        return advantages[rank * n : (rank + 1) * n, :width]
 
     def _split_round(self, batch: RolloutBatch) -> list[RolloutBatch]:
         """Shuffle the round (seeded by position, so resumable) and cut it into micro-batches."""

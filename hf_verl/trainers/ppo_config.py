@@ -171,6 +171,3 @@ class PPOConfig(TrainingArguments):
                 f"advantage_estimator={self.advantage_estimator!r} compares completions of one prompt: "
                 "set num_generations >= 2."
             )
-        if self.advantage_estimator == "remax":
-            raise ValueError("advantage_estimator='remax' needs a greedy baseline rollout, which PPOTrainer "
-                             "does not run yet; use 'rloo' or 'reinforce_plus_plus_baseline'.")

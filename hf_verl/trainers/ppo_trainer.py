@@ -42,7 +42,7 @@ from hf_verl.trainers.ppo_config import PPOConfig
 
 logger = logging.getLogger(__name__)
 
-CRITIC_FREE = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+CRITIC_FREE = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
@@ -195,10 +195,14 @@ class PPOTrainer(OnPolicyTrainer):
         if args.whiten_rewards:
             token_rewards = masked_whiten(token_rewards, mask, shift_mean=False) * mask
         batch.token_rewards = token_rewards
-        advantages, returns = compute_advantages(
-            args.advantage_estimator, scores=scores, token_rewards=token_rewards, values=batch.values, mask=mask,
-            num_generations=args.num_generations, gamma=args.gamma, lam=args.lam, scale_rewards=args.scale_rewards,
-        )
+        if args.advantage_estimator in ("gae", "reinforce_plus_plus"):  # token rewards (KL included), local
+            advantages, returns = compute_advantages(
+                args.advantage_estimator, token_rewards=token_rewards, values=batch.values, mask=mask,
+                gamma=args.gamma, lam=args.lam,
+            )
+        else:  # outcome estimators over the global round (groups may span processes)
+            greedy = self._greedy_baseline_scores(batch, rows) if args.advantage_estimator == "remax" else None
+            advantages, returns = self._global_advantages(scores, mask, greedy), None
         if args.advantage_estimator == "gae" and args.whiten_advantages:
             advantages = masked_whiten(advantages, mask) * mask
         batch.advantages, batch.returns = advantages, returns
