@@ -6,7 +6,8 @@ reward and config. Each timed run is a fresh subprocess of this script, so that 
 belongs to one trainer alone. Memory is reported as the training delta (peak RSS at the end
 minus the RSS right before ``train()``) and as the absolute peak. Runs of the two trainers are
 interleaved to share the machine's noise. Needs `pip install trl==1.16.0` (benchmark only).
-Usage: python benchmarks/grpo_step.py [--steps 20] [--repeats 2] [--use-generate]
+Usage: python benchmarks/grpo_step.py [--steps 20] [--repeats 2] [--with-generate]
+(``--with-generate`` adds a third, interleaved contender: hf_verl rolling out with ``model.generate``.)
 """
 
 import argparse
@@ -62,9 +63,9 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def child(which, steps, use_generate):
+def child(which, steps):
     """One timed run in this (fresh) process; prints one JSON line."""
-    if which == "hf_verl":
+    if which.startswith("hf_verl"):
         from hf_verl import GRPOConfig, GRPOTrainer
     else:
         from trl import GRPOConfig, GRPOTrainer
@@ -81,7 +82,7 @@ def child(which, steps, use_generate):
     with tempfile.TemporaryDirectory() as out:
         trainer = GRPOTrainer(model=model, reward_funcs=count_a, args=GRPOConfig(**common(out, steps)),
                               train_dataset=ds, processing_class=tok, callbacks=[timer])
-        if which == "hf_verl" and use_generate:
+        if which == "hf_verl_generate":
             trainer.engine.use_generate = True  # the old model.generate rollout path
         rss0 = current_rss_mib()
         trainer.train()
@@ -92,8 +93,6 @@ def child(which, steps, use_generate):
 
 def spawn(which, a):
     cmd = [sys.executable, __file__, "--child", which, "--steps", str(a.steps)]
-    if a.use_generate:
-        cmd.append("--use-generate")
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"{which} run failed:\n{res.stderr[-4000:]}")
@@ -104,29 +103,34 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--use-generate", action="store_true",
-                   help="hf_verl rolls out with model.generate (the pre-loop path) for comparison")
-    p.add_argument("--child", choices=["hf_verl", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--with-generate", action="store_true",
+                   help="also time hf_verl rolling out with model.generate (the pre-loop path)")
+    p.add_argument("--child", choices=["hf_verl", "trl", "hf_verl_generate"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        return child(a.child, a.steps, a.use_generate)
+        return child(a.child, a.steps)
     results = {"hf_verl": [], "trl": []}
+    if a.with_generate:
+        results["hf_verl_generate"] = []
     for _ in range(a.repeats):  # interleave to share the machine's noise
         for which in results:
             results[which].append(spawn(which, a))
+            print(f"  run {which:16s} {json.dumps(results[which][-1])}", flush=True)
     best = {k: {"sps": max(r["steps_per_s"] for r in v),
                 "delta": min(r["delta_mib"] for r in v),
                 "peak": min(r["peak_rss_mib"] for r in v)} for k, v in results.items()}
     for k, b in best.items():
-        print(f"{k:8s} steps/s {b['sps']:7.3f}   peak RSS delta {b['delta']:7.1f} MiB   "
+        print(f"{k:16s} steps/s {b['sps']:7.3f}   peak RSS delta {b['delta']:7.1f} MiB   "
               f"peak RSS {b['peak']:7.1f} MiB")
-    h, t = best["hf_verl"], best["trl"]
+    t = best["trl"]
 
-    def ratio(key):
+    def ratio(h, key):
         return f"x{h[key] / t[key]:.2f}" if t[key] > 0 else "n/a"
 
-    print(f"ratio hf_verl/trl: steps/s {ratio('sps')}, peak RSS delta {ratio('delta')}, "
-          f"peak RSS {ratio('peak')}")
+    for k, h in best.items():
+        if k != "trl":
+            print(f"ratio {k}/trl: steps/s {ratio(h, 'sps')}, peak RSS delta {ratio(h, 'delta')}, "
+                  f"peak RSS {ratio(h, 'peak')}")
 
 
 if __name__ == "__main__":
