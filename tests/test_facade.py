@@ -297,3 +297,49 @@ def test_reward_returning_nan_is_an_error_naming_the_function():
     trainer = make_trainer(reward_model=broken_reward)
     with pytest.raises(ValueError, match="'broken_reward' returned nan"):
         trainer.rollout(PROMPTS)
+
+
+# ---------------------------------------------------------------------- estimators, engines, defaults
+@pytest.mark.parametrize("name", ["rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_critic_free_estimators_by_name(name):
+    trainer = make_trainer(config={"estimator": name})
+    rollout = trainer.rollout(PROMPTS)
+    assert rollout.advantages.shape == rollout.completion_ids.shape
+    assert torch.isfinite(rollout.advantages).all()
+    assert (rollout.advantages * (1 - rollout.completion_mask)).abs().sum() == 0
+
+
+def test_gae_without_critic_is_refused():
+    trainer = make_trainer(config={"estimator": "gae"})
+    with pytest.raises(ValueError, match="'gae' needs a critic"):
+        trainer.rollout(PROMPTS)
+
+
+def test_actor_given_as_rollout_engine_is_trained_and_synced():
+    from hf_verl import Trainer
+    from hf_verl.rollout.hf_engine import TransformersEngine
+
+    tok = build_char_tokenizer()
+    engine = TransformersEngine(tiny_llama(tok), tok)
+    trainer = Trainer(actor_model=engine, reward_model=count_a, config={"group_size": 2, "max_new_tokens": 3})
+    assert trainer.model is engine.model and trainer.tokenizer is tok
+    metrics = trainer.step(trainer.compute_loss(trainer.rollout(PROMPTS)))
+    assert engine.weight_version == metrics["weight_version"] == 1
+
+
+def test_reward_functions_see_the_trace_id_and_debug_file_defaults_to_cwd(tmp_path, monkeypatch):
+    from hf_verl.facade.debug import current_trace_id
+
+    seen = []
+
+    def traced(prompts, completions, **kwargs):
+        seen.append(current_trace_id())
+        return [0.0] * len(completions)
+
+    monkeypatch.chdir(tmp_path)
+    trainer = make_trainer(reward_model=traced)
+    trainer.debug_mode = True
+    rollout = trainer.rollout(PROMPTS)
+    assert seen == [rollout.trace_id] and current_trace_id() is None
+    rows = (tmp_path / "hf_verl_debug.jsonl").read_text().splitlines()
+    assert rows and json.loads(rows[0])["trace_id"] == rollout.trace_id
