@@ -398,8 +398,11 @@ class Trainer:
             self._record("rollout->actor", rollout.tensor_fields())
             self.model.train()
             mask = rollout.completion_mask
-            agg = lambda t: aggregate_loss(t, mask, cfg.loss_type, max_completion_length=cfg.max_new_tokens,  # noqa: E731
-                                           normalizer=mask.sum().item())
+
+            def agg(per_token: torch.Tensor) -> torch.Tensor:
+                return aggregate_loss(per_token, mask, cfg.loss_type, max_completion_length=cfg.max_new_tokens,
+                                      normalizer=mask.sum().item())
+
             logp, entropy = self._actor_logprobs(rollout, with_entropy=True)
             per_token, clip = ppo_clip_loss(logp, rollout.old_logprobs, rollout.advantages, mask, cfg.clip_range)
             policy_loss = agg(per_token)
