@@ -50,7 +50,6 @@ def corrupt(answer: str, rng) -> str:
     return "".join(chars)
 
 
-@torch.no_grad()
 def preference_pairs(model, tokenizer, prompts, answers, seed: int = 0, max_new_tokens: int = 6,
                      batch_size: int = 256) -> dict[str, list[str]]:
     """Synthetic preferences for the demo task: chosen = the right answer; rejected = the model's own
@@ -58,20 +57,8 @@ def preference_pairs(model, tokenizer, prompts, answers, seed: int = 0, max_new_
     import random
 
     rng = random.Random(seed)
-    model.eval()
-    tokenizer.padding_side = "left"
-    device = next(model.parameters()).device
-    rejected = []
-    for i in range(0, len(prompts), batch_size):
-        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
-        enc = {k: v.to(device) for k, v in enc.items()}
-        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        for text, answer in zip(texts, answers[i : i + batch_size]):
-            text = text.strip()
-            rejected.append(text if text and text != answer else corrupt(answer, rng))
-    model.train()
+    texts = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
+    rejected = [t.strip() if t.strip() and t.strip() != a else corrupt(a, rng) for t, a in zip(texts, answers)]
     return {"prompt": list(prompts), "chosen": list(answers), "rejected": rejected}
 
 
@@ -105,22 +92,27 @@ def build_tiny_model(tokenizer, seed: int = 0):
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens: int = 6, batch_size: int = 256) -> float:
-    """Exact-match accuracy of batched greedy generation (left padding)."""
+def greedy_completions(model, tokenizer, prompts, max_new_tokens: int = 6, batch_size: int = 256) -> list[str]:
+    """Batched greedy generation (left padding) with `model.generate`, decoded without special tokens."""
     was_training = model.training
     model.eval()
     tokenizer.padding_side = "left"
-    correct = 0
     device = next(model.parameters()).device
+    texts = []
     for i in range(0, len(prompts), batch_size):
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
         enc = {k: v.to(device) for k, v in enc.items()}
         out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        correct += sum(reverse_reward(prompts[i : i + batch_size], texts, answer=answers[i : i + batch_size]))
+        texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     model.train(was_training)
-    return correct / max(len(prompts), 1)
+    return texts
+
+
+def greedy_accuracy(model, tokenizer, prompts, answers, max_new_tokens: int = 6, batch_size: int = 256) -> float:
+    """Exact-match accuracy of batched greedy generation."""
+    texts = greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
+    return sum(reverse_reward(prompts, texts, answer=answers)) / max(len(prompts), 1)
 
 
 def supervised_warmup(model, tokenizer, prompts, answers, *, target_accuracy: float = 0.35, max_steps: int = 300,
