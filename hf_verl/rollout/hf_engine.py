@@ -161,10 +161,8 @@ class TransformersEngine(RolloutEngine):
         needs_prev = sampling.repetition_penalty != 1.0
         step_ids, step_lps = [], []
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                         use_cache=True, logits_to_keep=1)
+        logits, cache = self._prefill(input_ids, mask, position_ids)
         for t in range(sampling.max_new_tokens):
-            logits = out.logits[:, -1]
             next_ids, lps = sample_next(logits, sampling, prev_ids=seq if needs_prev else None,
                                         prev_mask=mask if needs_prev else None)
             next_ids = torch.where(unfinished, next_ids, pad)
@@ -180,9 +178,30 @@ class TransformersEngine(RolloutEngine):
                 seq = torch.cat([seq, next_ids[:, None]], dim=-1)
             position_ids = position_ids[:, -1:] + 1
             out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
-                             position_ids=position_ids, past_key_values=out.past_key_values,
+                             position_ids=position_ids, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
+            logits, cache = out.logits[:, -1], out.past_key_values
         return torch.stack(step_ids, dim=1), torch.stack(step_lps, dim=1)
+
+    def _prefill(self, input_ids, mask, position_ids):
+        """Prompt forward, once per distinct prompt (GRPO groups repeat each prompt): the KV cache
+        and last logits are then gathered back to one row per completion.
+
+        Returns:
+            `(logits (B, V), cache)`.
+        """
+        width = input_ids.shape[1]
+        unique, inverse = torch.unique(torch.cat([input_ids, mask], dim=-1), dim=0, return_inverse=True)
+        if unique.shape[0] == input_ids.shape[0]:
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                             use_cache=True, logits_to_keep=1)
+            return out.logits[:, -1], out.past_key_values
+        u_ids, u_mask = unique[:, :width], unique[:, width:]
+        out = self.model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+                         use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_select_indices(inverse)
+        return out.logits[inverse, -1], cache
 
     def _decode_with_generate(self, input_ids, attention_mask, sampling: SamplingParams):
         """Decode with ``model.generate`` (needed for stop strings); raw logits give the log-probs.
