@@ -214,30 +214,30 @@ class DPOTrainer(Trainer):
             out = model(input_ids=ids, attention_mask=batch["attention_mask"], **kwargs)
         hidden = out.hidden_states[-1][:, :-1]
         labels = ids[:, 1:]
-        mask = batch["completion_mask"][:, 1:].to(hidden.dtype)
+        mask = batch["completion_mask"][:, 1:].bool()
+        if "seq_index" in batch:  # packed: a position predicting the next sequence's first token is not ours
+            index = batch["seq_index"]
+            mask = mask & (index[:, 1:] == index[:, :-1])
+            n, seq_of = batch["num_sequences"], index[:, :-1]
+        else:
+            n = ids.shape[0]
+            seq_of = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(mask)
+        # only completion positions go through the LM head (prompt and padding are never scored)
+        h, y, owner = hidden[mask].unsqueeze(0), labels[mask].unsqueeze(0), seq_of[mask]
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
-        token_lp = logprobs_from_hidden(hidden, head.weight, labels, bias=head.bias, temperature=1.0,
-                                        chunk_size=self.args.logprob_chunk_size)[0]
+        token_lp = logprobs_from_hidden(h, head.weight, y, bias=head.bias, temperature=1.0,
+                                        chunk_size=self.args.logprob_chunk_size)[0].squeeze(0)
         with torch.no_grad():  # mean over the vocabulary of the logits = h . mean(W) (+ mean(b))
-            mean_logit = hidden.detach() @ head.weight.detach().mean(0).to(hidden.dtype)
+            mean_logit = h.detach().squeeze(0) @ head.weight.detach().mean(0).to(h.dtype)
             if head.bias is not None:
                 mean_logit = mean_logit + head.bias.detach().mean()
-        if "seq_index" in batch:
-            index = batch["seq_index"]
-            # a position predicting the first token of the next packed sequence is not a completion token
-            mask = mask * (index[:, 1:] == index[:, :-1]).to(mask.dtype)
-            n = batch["num_sequences"]
-            seg = index[:, :-1].reshape(-1)
 
-            def segsum(x):
-                return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, seg, x.reshape(-1))
-        else:
-            def segsum(x):
-                return x.sum(1)
+        def segsum(x):
+            return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, owner, x)
 
-        logps = segsum(token_lp * mask)
-        counts = segsum(mask)
-        logits = segsum(mean_logit.float() * mask.float()) / counts.float().clamp(min=1)
+        logps = segsum(token_lp)
+        counts = segsum(torch.ones_like(token_lp))
+        logits = segsum(mean_logit.float()) / counts.float().clamp(min=1)
         return logps, logits, counts
 
     @torch.no_grad()
