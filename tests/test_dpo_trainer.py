@@ -160,3 +160,16 @@ def test_bad_inputs(tmp_path, caplog):
     with pytest.raises(ValueError, match="precompute_ref_log_probs needs a map-style dataset"):
         DPOTrainer(model=_model(tok), args=_args(tmp_path, precompute_ref_log_probs=True), processing_class=tok,
                    train_dataset=stream)
+
+
+def test_bundled_evaluate_metric_loads_offline(monkeypatch):
+    import evaluate
+
+    from hf_verl.metrics import metric_path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    metric = evaluate.load(metric_path("preference_accuracy"))
+    assert metric.compute(chosen_scores=[1.0, 2.0, 0.5], rejected_scores=[0.0, 3.0, 0.5]) == {
+        "preference_accuracy": pytest.approx(1 / 3)}  # the tie counts as wrong
+    with pytest.raises(ValueError, match="no bundled metric 'nope'"):
+        metric_path("nope")

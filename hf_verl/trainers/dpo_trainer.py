@@ -33,15 +33,25 @@ TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
+_PREFERENCE_METRIC = None
+
+
 def preference_accuracy(eval_pred) -> dict[str, float]:
-    """`compute_metrics` for DPO evaluation: share of pairs whose implicit reward ranks chosen first.
+    """`compute_metrics` for DPO evaluation, through `evaluate` (the metric ships with hf_verl, so
+    it loads offline): share of pairs whose implicit reward ranks chosen first.
 
     `eval_pred.predictions` holds `(chosen_reward, rejected_reward)` per pair.
     """
+    global _PREFERENCE_METRIC
+    import evaluate
     import numpy as np
 
-    preds = np.asarray(eval_pred.predictions)
-    return {"preference_accuracy": float((preds[:, 0] > preds[:, 1]).mean())}
+    from hf_verl.metrics import metric_path
+
+    if _PREFERENCE_METRIC is None:
+        _PREFERENCE_METRIC = evaluate.load(metric_path("preference_accuracy"))
+    preds = np.asarray(eval_pred.predictions, dtype=np.float64)
+    return _PREFERENCE_METRIC.compute(chosen_scores=preds[:, 0], rejected_scores=preds[:, 1])
 
 
 def _weights_digest(model) -> str:

@@ -1,0 +1,1 @@
+"""Bundled `evaluate` metric: preference accuracy."""
