@@ -205,3 +205,26 @@ def test_remax_baseline_is_the_greedy_score(tmp_path):
 def test_gae_is_refused_without_a_critic(tmp_path):
     with pytest.raises(ValueError, match="'gae' needs a critic: use PPOTrainer"):
         _args(tmp_path, advantage_estimator="gae")
+
+
+def test_evaluation_reports_rewards(tmp_path):
+    tok = build_char_tokenizer()
+
+    def one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def none_for_b(prompts, completions, **kwargs):
+        return [None if p.startswith("b") else 2.0 for p in prompts]
+
+    train = Dataset.from_dict({"prompt": ["abc", "xyz"] * 4})
+    evals = Dataset.from_dict({"prompt": ["abc", "bcd", "cde"]})
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=[one, none_for_b], train_dataset=train, eval_dataset=evals,
+                          args=_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1,
+                                     per_device_eval_batch_size=2), processing_class=tok)
+    trainer.train()
+    evals_logged = [h for h in trainer.state.log_history if "eval_reward" in h]
+    assert [h["step"] for h in evals_logged] == [1, 2]
+    m = trainer.evaluate()
+    assert m["eval_rewards/one/mean"] == 1.0 and m["eval_rewards/none_for_b/mean"] == 2.0  # None skipped
+    assert m["eval_reward"] == pytest.approx((3 + 2 * 2) / 3)  # weighted sum per row, None counts 0
+    assert 1 <= m["eval_completions/mean_length"] <= 6

@@ -264,6 +264,57 @@ class OnPolicyTrainer(Trainer):
             m[f"timing_s/{k}"].append(v)
         m["perf/tokens_per_second"].append(batch.num_completion_tokens / max(timings["generate"], 1e-9))
 
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Roll out one completion per evaluation prompt with the training sampling settings and
+        report the mean rewards (`<prefix>_reward`, `<prefix>_rewards/<func>/mean`) and completion
+        length; prompts are split across processes and the sums reduced."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (pass one here or to the trainer).")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        from tqdm.auto import tqdm
+
+        acc = self.accelerator
+        shard = dataset.shard(num_shards=acc.num_processes, index=acc.process_index, contiguous=True)
+        size = self.args.per_device_eval_batch_size
+        n_funcs = len(self.reward_funcs)
+        # sums: combined reward, completion tokens, rows, then per function (sum, count of non-None)
+        totals = torch.zeros(3 + 2 * n_funcs, dtype=torch.float64)
+        for start in tqdm(range(0, len(shard), size), desc="Evaluating", disable=not self.is_local_process_zero()):
+            rows = [shard[i] for i in range(start, min(start + size, len(shard)))]
+            if "prompt" in rows[0]:
+                prompts = [r["prompt"] for r in rows]
+                tok = tokenize_prompts(prompts, self.processing_class, self.args.max_prompt_length)
+            else:
+                tok = pretokenized_prompts(rows, self.processing_class, self.args.max_prompt_length)
+                prompts = tok.texts
+            batch = self._generate(tok.ids, prompts)
+            per_func = self._score(batch, rows).double().cpu()
+            combined = combine_rewards(per_func, self.args.reward_weights)
+            totals[0] += combined.sum()
+            totals[1] += batch.completion_mask.sum().item()
+            totals[2] += len(rows)
+            valid = ~per_func.isnan()
+            totals[3::2] += torch.where(valid, per_func, 0.0).sum(0)
+            totals[4::2] += valid.sum(0)
+        if acc.num_processes > 1:
+            totals = acc.reduce(totals.to(acc.device), reduction="sum").cpu()
+        rows_seen = max(totals[2].item(), 1.0)
+        metrics = {f"{metric_key_prefix}_reward": totals[0].item() / rows_seen,
+                   f"{metric_key_prefix}_completions/mean_length": totals[1].item() / rows_seen}
+        for i, name in enumerate(self.reward_names):
+            count = totals[4 + 2 * i].item()
+            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = totals[3 + 2 * i].item() / count if count else float("nan")
+        Trainer.log(self, metrics)  # not self.log: the training metrics buffer stays for the next train log
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
     # ------------------------------------------------------------------ loop
     def train(self, *args, **kwargs):
         self._buffer, self._micro_step = None, None
