@@ -27,7 +27,39 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (group size).")
     demo.add_argument("--prompts-per-step", type=int, default=16, help="Unique prompts per GRPO step.")
     demo.add_argument("--max-completion-length", type=int, default=6, help="Tokens per completion.")
+    serve = sub.add_parser("serve", help="Serve a model for rollouts (OpenAI-compatible, versioned weight updates).")
+    serve.add_argument("model", help="Hub id or local path of a causal LM.")
+    serve.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
+    serve.add_argument("--host", default="127.0.0.1", help="Bind address (a non-loopback host needs a token).")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--token-file", default=None,
+                       help="File holding the bearer token of the weight routes (else $HF_VERL_SERVE_TOKEN).")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--trust-remote-code", action="store_true", help="Allow custom model code from the Hub.")
     return parser
+
+
+def run_serve(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_verl.rollout.hf_engine import TransformersEngine
+    from hf_verl.serve.server import RolloutServer, read_token
+
+    if args.engine == "vllm":
+        raise SystemExit("hf-verl serve --engine vllm is not available in this release; use --engine transformers "
+                         "(or run `vllm serve` and point RemoteEngine at it).")
+    token = read_token(args.token_file)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), use_safetensors=True,
+                                                 trust_remote_code=args.trust_remote_code)
+    engine = TransformersEngine(model.eval(), tokenizer)
+    server = RolloutServer(engine, tokenizer, args.model, host=args.host, port=args.port, token=token)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
 
 
 def print_summary(result) -> None:
@@ -43,6 +75,8 @@ def print_summary(result) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "demo":
         from hf_verl.demo.run import run_demo
 

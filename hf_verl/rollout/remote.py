@@ -1,0 +1,205 @@
+"""`RemoteEngine`: a :class:`~hf_verl.rollout.base.RolloutEngine` over an OpenAI-compatible server.
+
+Generation goes to `POST {base_url}/v1/completions` with the prompts as token ids, split into
+requests of `prompts_per_request` and sent `max_concurrency` at a time. Token ids come back from
+the choice's `token_ids` (hf_verl's server; vLLM with `return_token_ids`) or, failing that, from
+`logprobs.tokens` written as `token_id:<n>` (vLLM's `return_tokens_as_token_ids`); log-probs from
+`logprobs.token_logprobs`. Connection failures, timeouts and 5xx answers are retried with
+exponential backoff up to `max_retries` times; then, or on an answer that is not a completions
+response, the error names the URL and what came back.
+
+Weight sync streams (name, tensor) pairs in buckets of `bucket_bytes` as safetensors bodies to
+`POST /v1/weights` (hf_verl's server, bearer token), the last one flagged so the server applies
+the update atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from hf_verl.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, RolloutEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutServerError(RuntimeError):
+    """The rollout server is unreachable or answered something unusable."""
+
+
+def tensor_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
+    """Group (name, tensor) pairs into lists of at most `bucket_bytes` (an oversized tensor alone)."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class RemoteEngine(RolloutEngine):
+    """Generate on a remote OpenAI-compatible server (see the module docstring).
+
+    Args:
+        base_url (`str`): e.g. `"http://127.0.0.1:8000"`.
+        model (`str`, *optional*): the `model` field of requests; default: the server's first model.
+        token (`str`, *optional*): bearer token for weight updates.
+        timeout_s (`float`, defaults to 120): per request.
+        max_retries (`int`, defaults to 3): retries after the first attempt.
+        backoff_s (`float`, defaults to 0.5): first retry delay, doubled each time.
+        max_concurrency (`int`, defaults to 8): requests in flight.
+        prompts_per_request (`int`, defaults to 16).
+        bucket_bytes (`int`, defaults to 256 MiB): weight-sync bucket size.
+    """
+
+    def __init__(self, base_url: str, *, model: str | None = None, token: str | None = None, timeout_s: float = 120.0,
+                 max_retries: int = 3, backoff_s: float = 0.5, max_concurrency: int = 8, prompts_per_request: int = 16,
+                 bucket_bytes: int = 256 * 2**20) -> None:
+        super().__init__()
+        self.base_url = base_url.rstrip("/")
+        self.token, self.timeout_s = token, timeout_s
+        self.max_retries, self.backoff_s = max_retries, backoff_s
+        self.max_concurrency, self.prompts_per_request = max_concurrency, prompts_per_request
+        self.bucket_bytes = bucket_bytes
+        self._model = model
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json",
+                 auth: bool = False, retry: bool = True) -> dict:
+        url = f"{self.base_url}{path}"
+        headers = {"Content-Type": content_type}
+        if auth and self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        attempts = 1 + (self.max_retries if retry else 0)
+        last: Exception | None = None
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            req = urllib.request.Request(url, data=body, method=method, headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    raw = resp.read()
+            except urllib.error.HTTPError as err:
+                detail = err.read()[:300].decode(errors="replace")
+                if err.code >= 500:
+                    last = RolloutServerError(f"{url} answered {err.code}: {detail}")
+                    continue
+                raise RolloutServerError(f"{url} answered {err.code}: {detail}") from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+                last = err
+                logger.warning("request to %s failed (attempt %d of %d): %s", url, attempt + 1, attempts, err)
+                continue
+            try:
+                return json.loads(raw)
+            except json.JSONDecodeError:
+                raise RolloutServerError(f"{url} did not answer JSON: {raw[:200]!r}") from None
+        raise RolloutServerError(
+            f"rollout server at {self.base_url} is unreachable after {attempts} attempt(s): {last}. Start it "
+            "(`hf-verl serve MODEL`) or check the URL."
+        )
+
+    @property
+    def model(self) -> str:
+        if self._model is None:
+            data = self._request("GET", "/v1/models").get("data") or []
+            if not data:
+                raise RolloutServerError(f"{self.base_url}/v1/models lists no model.")
+            self._model = data[0]["id"]
+        return self._model
+
+    def server_weight_version(self) -> int:
+        return int(self._request("GET", "/v1/weights/version")["weight_version"])
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        prompts = [list(map(int, p)) for p in prompt_ids]
+        if any(not p for p in prompts):
+            raise ValueError("every prompt must contain at least one token.")
+        chunks = [prompts[i : i + self.prompts_per_request] for i in range(0, len(prompts), self.prompts_per_request)]
+        body = {"model": self.model, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "repetition_penalty": sampling.repetition_penalty,
+                "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True}
+        if sampling.min_p is not None:
+            body["min_p"] = sampling.min_p
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+
+        def send(chunk):
+            return self._parse(self._request("POST", "/v1/completions", json.dumps({**body, "prompt": chunk}).encode()),
+                               len(chunk))
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(chunks)))) as pool:
+            results = list(pool.map(send, chunks))
+        ids, lps, reasons, versions = [], [], [], []
+        for r in results:
+            ids += r[0]
+            lps += r[1]
+            reasons += r[2]
+            versions += r[3]
+        version = min(versions) if versions else self.weight_version
+        return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons, weight_version=version,
+                                extra={"weight_versions": versions})
+
+    def _parse(self, resp: dict, expected: int):
+        url = f"{self.base_url}/v1/completions"
+        choices = resp.get("choices")
+        if not isinstance(choices, list) or len(choices) != expected:
+            raise RolloutServerError(f"{url} answered {len(choices) if isinstance(choices, list) else 'no'} choices "
+                                     f"for {expected} prompts: {str(resp)[:200]}")
+        choices = sorted(choices, key=lambda c: c.get("index", 0))
+        ids, lps, reasons, versions = [], [], [], []
+        for c in choices:
+            logprobs = c.get("logprobs") or {}
+            token_ids = c.get("token_ids")
+            if token_ids is None:
+                tokens = logprobs.get("tokens") or []
+                if not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                    raise RolloutServerError(f"{url} returns no token ids; use hf_verl's server or a vLLM server "
+                                             "that honours return_tokens_as_token_ids.")
+                token_ids = [int(t.split(":", 1)[1]) for t in tokens]
+            token_lps = logprobs.get("token_logprobs")
+            if token_lps is None or len(token_lps) != len(token_ids):
+                raise RolloutServerError(f"{url} returned {len(token_ids)} tokens but no matching token_logprobs.")
+            ids.append([int(t) for t in token_ids])
+            lps.append([float(x) for x in token_lps])
+            reasons.append(FINISH_STOP if c.get("finish_reason") == "stop" else FINISH_LENGTH)
+            versions.append(int(c.get("weight_version", resp.get("weight_version", self.weight_version))))
+        return ids, lps, reasons, versions
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Upload full HF-named tensors bucket by bucket; the server applies them at the last one."""
+        from safetensors.torch import save as save_safetensors
+
+        update = uuid.uuid4().hex
+        buckets = tensor_buckets(named_tensors, self.bucket_bytes)
+        pending = next(buckets, None)
+        index, answer = 0, None
+        while pending is not None:
+            following = next(buckets, None)
+            payload = save_safetensors({n: t.detach().contiguous().cpu() for n, t in pending})
+            last = int(following is None)
+            # no blind retries for uploads: a repeated bucket is harmless, but a 4xx must surface
+            answer = self._request("POST", f"/v1/weights?update={update}&index={index}&last={last}", payload,
+                                   content_type="application/octet-stream", auth=True)
+            pending, index = following, index + 1
+        if answer is None:
+            raise ValueError("sync_weights got no tensors.")
+        if not answer.get("applied"):
+            raise RolloutServerError(f"{self.base_url} did not apply the weight update: {answer}")
+        self._weight_version = int(answer["weight_version"])
+        logger.info("synced %d bucket(s) to %s; weight version %d", index, self.base_url, self._weight_version)

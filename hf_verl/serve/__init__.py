@@ -1,0 +1,1 @@
+"""The rollout server (`hf-verl serve`)."""

@@ -1,0 +1,171 @@
+"""The rollout server over 127.0.0.1 with the remote engine: generation, versioned weight updates, auth."""
+
+import copy
+import http.client
+import json
+import socket
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from hf_verl.rollout.base import SamplingParams
+from hf_verl.rollout.hf_engine import TransformersEngine
+from hf_verl.rollout.remote import RemoteEngine, RolloutServerError
+from hf_verl.serve.server import RolloutServer
+from tests.conftest import build_char_tokenizer
+
+TOKEN = "s3cret-token"
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+def _model(tok, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=len(tok),
+                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).eval()
+
+
+@pytest.fixture
+def served():
+    tok = build_char_tokenizer()
+    model = _model(tok)
+    server = RolloutServer(TransformersEngine(model, tok), tok, "tiny", port=0, token=TOKEN).start()
+    yield server, tok, model
+    server.shutdown()
+
+
+def _prompts(tok):
+    return [tok(p)["input_ids"] for p in ["abc", "hello", "xy"]]
+
+
+def test_generation_matches_the_local_engine(served):
+    server, tok, model = served
+    remote = RemoteEngine(server.address, token=TOKEN, prompts_per_request=2)
+    assert remote.model == "tiny"
+    out = remote.generate(_prompts(tok), GREEDY)
+    local = TransformersEngine(copy.deepcopy(model), tok).generate(_prompts(tok), GREEDY)
+    assert out.completion_ids == local.completion_ids
+    for a, b in zip(out.logprobs, local.logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert out.finish_reasons == local.finish_reasons and out.weight_version == 0
+    health = json.loads(urllib.request.urlopen(f"{server.address}/health").read())
+    assert health == {"status": "ok", "weight_version": 0}
+
+
+def test_weight_update_in_buckets_bumps_the_version_and_changes_outputs(served):
+    server, tok, model = served
+    perturbed = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    remote = RemoteEngine(server.address, token=TOKEN, bucket_bytes=4096)  # many buckets
+    remote.sync_weights(perturbed.state_dict().items())
+    assert remote.weight_version == 1 == remote.server_weight_version()
+    out = remote.generate(_prompts(tok), GREEDY)
+    want = TransformersEngine(perturbed, tok).generate(_prompts(tok), GREEDY)
+    assert out.completion_ids == want.completion_ids and out.weight_version == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), perturbed.state_dict().values()))
+
+
+def test_wrong_or_missing_token_is_rejected_and_weights_unchanged(served):
+    server, tok, model = served
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    zeros = {k: torch.zeros_like(v) for k, v in before.items()}
+    for token in ("wrong", None):
+        with pytest.raises(RolloutServerError, match="401"):
+            RemoteEngine(server.address, token=token).sync_weights(zeros.items())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert server.engine.weight_version == 0
+
+
+def test_a_killed_upload_leaves_the_old_weights_serving(served):
+    server, tok, model = served
+    from safetensors.torch import save
+
+    before = RemoteEngine(server.address).generate(_prompts(tok), GREEDY).completion_ids
+    host, port = server.httpd.server_address[:2]
+    # 1) a complete first bucket of an update whose last bucket never comes
+    body = save({"model.norm.weight": torch.zeros_like(model.model.norm.weight)})
+    conn = http.client.HTTPConnection(host, port)
+    conn.request("POST", "/v1/weights?update=u1&index=0&last=0", body,
+                 {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/octet-stream"})
+    assert json.loads(conn.getresponse().read())["applied"] is False
+    # 2) a client that dies halfway through its body
+    sock = socket.create_connection((host, port))
+    sock.sendall(f"POST /v1/weights?update=u2&index=0&last=1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                 f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:20])
+    sock.close()
+    time.sleep(0.2)
+    after = RemoteEngine(server.address).generate(_prompts(tok), GREEDY)
+    assert after.completion_ids == before and after.weight_version == 0
+    assert torch.count_nonzero(model.model.norm.weight) > 0
+
+
+def test_bad_requests_say_what_is_wrong(served):
+    server, tok, _ = served
+    with pytest.raises(RolloutServerError, match="400.*unknown parameter name"):
+        RemoteEngine(server.address, token=TOKEN).sync_weights([("not.a.weight", torch.zeros(2))])
+    req = urllib.request.Request(f"{server.address}/v1/completions", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400 and "'prompt' is required" in err.value.read().decode()
+
+
+def test_weights_from_a_path(served, tmp_path):
+    server, tok, model = served
+    from safetensors.torch import save_file
+
+    state = {k: v.clone() + 1.0 for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    req = urllib.request.Request(f"{server.address}/v1/weights", data=json.dumps({"path": str(tmp_path)}).encode(),
+                                 method="POST", headers={"Authorization": f"Bearer {TOKEN}",
+                                                         "Content-Type": "application/json"})
+    assert json.loads(urllib.request.urlopen(req).read())["weight_version"] == 1
+    assert torch.equal(model.model.norm.weight, state["model.norm.weight"])
+
+
+def test_server_down_fails_within_the_retry_budget():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    remote = RemoteEngine(f"http://127.0.0.1:{port}", model="m", max_retries=2, backoff_s=0.05, timeout_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(RolloutServerError, match=f"127.0.0.1:{port} is unreachable after 3 attempt"):
+        remote.generate([[1, 2]], GREEDY)
+    assert time.monotonic() - t0 < 5
+
+
+def test_refuses_a_public_host_without_a_token():
+    tok = build_char_tokenizer()
+    with pytest.raises(ValueError, match="refusing to serve on non-loopback host '0.0.0.0' without a token"):
+        RolloutServer(TransformersEngine(_model(tok), tok), tok, "tiny", host="0.0.0.0", port=0)
+
+
+@pytest.mark.slow
+def test_hf_verl_serve_command(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    tok = build_char_tokenizer()
+    _model(tok).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "token").write_text(TOKEN)
+    proc = subprocess.Popen([sys.executable, "-m", "hf_verl", "serve", str(tmp_path / "m"), "--port", str(port),
+                             "--token-file", str(tmp_path / "token")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    try:
+        remote = RemoteEngine(f"http://127.0.0.1:{port}", token=TOKEN, max_retries=8, backoff_s=0.5)
+        out = remote.generate([tok("abc")["input_ids"]], GREEDY)
+        assert len(out.completion_ids) == 1 and out.weight_version == 0
+        assert remote.model == str(tmp_path / "m")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
