@@ -98,3 +98,20 @@ def test_chunked_logprobs_match_full_log_softmax(temperature):
     lp2, _ = logprobs_from_logits((hidden @ weight.T).detach(), targets, temperature=temperature,
                                   chunk_size=4)
     assert torch.allclose(lp2, ref_lp.detach(), atol=1e-5)
+
+
+def test_importance_weights_modes():
+    import math
+
+    from hf_verl.algorithms.importance import importance_weights
+
+    old = torch.tensor([[0.0, -1.0, -2.0], [-1.0, -1.0, 0.0]])
+    samp = torch.tensor([[-0.5, -1.0, -9.0], [-1.0, -3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    tok, stats = importance_weights(old, samp, mask, "token_truncate", clip_max=3.0)
+    assert torch.allclose(tok, torch.tensor([[math.exp(0.5), 1.0, 1.0], [1.0, 3.0, 1.0]]))  # e^2 truncated to 3
+    assert stats["sampling/sampling_logp_difference/max"] == pytest.approx(2.0)
+    seq, _ = importance_weights(old, samp, mask, "sequence_mask", clip_max=3.0)
+    assert torch.allclose(seq, torch.tensor([[math.exp(0.5)], [0.0]]))  # e^2 > 3: masked out
+    with pytest.raises(ValueError, match="unknown importance sampling mode"):
+        importance_weights(old, samp, mask, "nope")

@@ -169,3 +169,40 @@ def test_hf_verl_serve_command(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_grpo_trains_against_the_server(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from hf_verl.trainers.grpo_config import GRPOConfig
+    from hf_verl.trainers.grpo_trainer import GRPOTrainer
+
+    tok = build_char_tokenizer()
+    server_model = _model(tok, seed=1)  # different weights: the first sync must replace them
+    server = RolloutServer(TransformersEngine(server_model, tok), tok, "tiny", port=0, token=TOKEN).start()
+    monkeypatch.setenv("HF_VERL_SERVE_TOKEN", TOKEN)
+    try:
+        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=5,
+                          learning_rate=1e-2, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
+                          use_vllm=True, vllm_mode="server", vllm_server_base_url=server.address)
+        policy = _model(tok, seed=0)
+
+        def count_a(completions, **kwargs):
+            return [float(c.count("a")) for c in completions]
+
+        trainer = GRPOTrainer(model=policy, reward_funcs=count_a, args=args, processing_class=tok,
+                              train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}))
+        trainer.train()
+        # one sync per rollout round (steps 0, 1, 2): the server holds the weights of step 2
+        assert server.engine.weight_version == 3
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        assert all("sampling/importance_sampling_ratio/mean" in h and "timing_s/weight_sync" in h for h in logs)
+        # same numerics on both sides: the engine/trainer log-prob gap is float noise
+        assert all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in logs)
+        assert trainer.state.global_step == 3
+        trainer._sync_engine()  # push step 3: the server model now equals the trained policy
+        assert server.engine.weight_version == 4
+        assert all(torch.equal(v, server_model.state_dict()[k]) for k, v in policy.state_dict().items())
+    finally:
+        server.shutdown()

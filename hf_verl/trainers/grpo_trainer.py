@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_verl.algorithms.advantages import grpo_advantages
+from hf_verl.algorithms.importance import importance_weights
 from hf_verl.algorithms.kl import kl_penalty
 from hf_verl.algorithms.policy_loss import aggregate_loss, masked_mean, ppo_clip_loss
 from hf_verl.data.batch import RolloutBatch
@@ -62,6 +63,14 @@ class GRPOTrainer(OnPolicyTrainer):
                          reward_processing_classes=reward_processing_classes, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, need_reference=args.beta > 0, is_peft=peft_config is not None)
+        if args.use_vllm:  # vllm_mode == "server" (checked by the config)
+            import os
+
+            from hf_verl.rollout.remote import RemoteEngine
+            from hf_verl.serve.server import TOKEN_ENV
+
+            url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+            self.engine = RemoteEngine(url, token=os.environ.get(TOKEN_ENV), timeout_s=args.vllm_server_timeout)
 
     def _max_new_tokens(self) -> int:
         return self.args.max_completion_length
@@ -86,12 +95,21 @@ class GRPOTrainer(OnPolicyTrainer):
         normalizer = self._global_tokens(batch) / (args.steps_per_generation * args.world_size)
         micro = self._split_round(batch)
         t_ref = time.perf_counter()
+        correct = args.use_vllm and args.vllm_importance_sampling_correction
         for mb in micro:
             mb.meta["loss_normalizer"] = normalizer
             if args.beta > 0:
                 mb.ref_logprobs = self._reference_logprobs(mb)
-            if self._policy_moves_within_round():
+            if self._policy_moves_within_round() or args.use_vllm:
                 mb.old_logprobs = self._old_logprobs(mb)
+            if args.use_vllm:  # engine/trainer mismatch, logged always, corrected when asked
+                weights, stats = importance_weights(
+                    mb.old_logprobs, mb.sampling_logprobs, mb.completion_mask, args.vllm_importance_sampling_mode,
+                    args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+                for k, v in stats.items():
+                    self._metrics[k].append(v)
+                if correct:
+                    mb.meta["is_weights"] = weights
         timings["reference"] = time.perf_counter() - t_ref
         self._log_rewards(acc.gather(rewards_per_func), all_rewards, group_std)
         self._log_common(batch, timings)
@@ -116,6 +134,8 @@ class GRPOTrainer(OnPolicyTrainer):
         per_token, clip = ppo_clip_loss(logp, old, batch.advantages, batch.completion_mask,
                                         args.epsilon, args.epsilon_high, args.dual_clip)
         mask = batch.completion_mask
+        if "is_weights" in batch.meta:  # truncated / masked importance sampling against the engine
+            per_token = per_token * batch.meta["is_weights"]
         if args.beta > 0:
             kl = kl_penalty(logp, batch.ref_logprobs, "k3")
             per_token = per_token + args.beta * kl

@@ -89,6 +89,7 @@ class OnPolicyTrainer(Trainer):
         self.model_accepts_loss_kwargs = False
         self._buffer: list[RolloutBatch] | None = None
         self._micro_step: int | None = None  # set from global_step on the first training_step
+        self._engine_step: int | None = None  # global step whose weights a remote engine holds
         if train_dataset is not None and hasattr(train_dataset, "__len__"):
             self._get_train_sampler()  # a dataset too small for one round fails here, not at train()
 
@@ -126,7 +127,26 @@ class OnPolicyTrainer(Trainer):
         return inputs  # rollouts are built by `_rollout_round`; no tensor moving to do here
 
     # ------------------------------------------------------------------ rollout phases
+    def _sync_engine(self) -> None:
+        """Push the policy's current weights to an engine that does not share them (a remote
+        server), once per optimizer step, streamed in buckets (PEFT adapters merged on the fly)."""
+        from hf_verl.rollout.remote import RemoteEngine
+
+        if not isinstance(self.engine, RemoteEngine) or self._engine_step == self.state.global_step:
+            return
+        from hf_verl.rollout.weight_sync import iter_weight_buckets
+
+        t0 = time.perf_counter()
+        model = self.accelerator.unwrap_model(self.model)
+        if self.accelerator.is_main_process:
+            self.engine.sync_weights(pair for bucket in iter_weight_buckets(model, self.engine.bucket_bytes)
+                                     for pair in bucket)
+        self.accelerator.wait_for_everyone()
+        self._engine_step = self.state.global_step
+        self._metrics["timing_s/weight_sync"].append(time.perf_counter() - t0)
+
     def _rollout_round(self, rows: list[dict]) -> list[RolloutBatch]:
+        self._sync_engine()
         t0 = time.perf_counter()
         if "prompt" in rows[0]:
             prompts = [r["prompt"] for r in rows]
