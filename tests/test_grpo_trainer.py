@@ -228,3 +228,36 @@ def test_evaluation_reports_rewards(tmp_path):
     assert m["eval_rewards/one/mean"] == 1.0 and m["eval_rewards/none_for_b/mean"] == 2.0  # None skipped
     assert m["eval_reward"] == pytest.approx((3 + 2 * 2) / 3)  # weighted sum per row, None counts 0
     assert 1 <= m["eval_completions/mean_length"] <= 6
+
+
+@pytest.mark.parametrize("steps_per_generation", [1, 2])
+def test_async_rollout_is_one_version_stale_and_trains(tmp_path, steps_per_generation, caplog):
+    tok = build_char_tokenizer()
+    model = _model(tok)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seen = []
+
+    def counting(prompts, completions, **kwargs):
+        seen.append(list(prompts))
+        return count_a(completions)
+
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab", "b", "cc", "dd", "e"]})
+    args = _args(tmp_path, max_steps=4, use_async_rollout=True, steps_per_generation=steps_per_generation,
+                 gradient_accumulation_steps=1)
+    trainer = GRPOTrainer(model=model, reward_funcs=counting, args=args, train_dataset=ds, processing_class=tok)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert "does not match the dataloader's rows" not in caplog.text  # prefetched rows = dataloader rows
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    rounds = 4 // steps_per_generation
+    assert len(seen) == rounds  # round 0 synchronously, then one prefetch per following round, none beyond
+    stale = [h["rollout/staleness"] for h in logs if "rollout/staleness" in h]
+    assert stale[0] == 0 and all(s == 1 for s in stale[1:]) and len(stale) == rounds
+    assert all("sampling/importance_sampling_ratio/mean" in h for h in logs if "rollout/staleness" in h)
+    assert trainer._async_engine is not None and trainer._async_engine.model is not trainer.model
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_max_staleness_zero_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness must be >= 1"):
+        _args(tmp_path, use_async_rollout=True, max_staleness=0)

@@ -165,3 +165,14 @@ def test_remax_runs_a_greedy_baseline(tmp_path):
     trainer = PPOTrainer(args=args, processing_class=tok, model=_policy(tok), reward_model=counting, train_dataset=ds)
     trainer.train()
     assert calls == [8, 2]  # 8 sampled completions, then one greedy completion per distinct prompt
+
+
+def test_async_rollout_with_a_critic(tmp_path):
+    tok = build_char_tokenizer()
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab"] * 4})
+    trainer = PPOTrainer(args=_args(tmp_path, max_steps=8, use_async_rollout=True), processing_class=tok,
+                         model=_policy(tok), reward_model=count_a, train_dataset=ds, value_model=_critic(tok))
+    trainer.train()
+    stale = [h["rollout/staleness"] for h in trainer.state.log_history if "rollout/staleness" in h]
+    assert stale == [0.0, 1.0]  # 8 steps = 2 rounds of 2 epochs x 2 mini-batches
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)

@@ -206,3 +206,31 @@ def test_grpo_trains_against_the_server(tmp_path, monkeypatch):
         assert all(torch.equal(v, server_model.state_dict()[k]) for k, v in policy.state_dict().items())
     finally:
         server.shutdown()
+
+
+def test_async_grpo_with_the_remote_engine(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from hf_verl.trainers.grpo_config import GRPOConfig
+    from hf_verl.trainers.grpo_trainer import GRPOTrainer
+
+    tok = build_char_tokenizer()
+    server = RolloutServer(TransformersEngine(_model(tok, seed=1), tok), tok, "tiny", port=0, token=TOKEN).start()
+    monkeypatch.setenv("HF_VERL_SERVE_TOKEN", TOKEN)
+    try:
+        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=5,
+                          learning_rate=1e-2, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
+                          use_vllm=True, vllm_mode="server", vllm_server_base_url=server.address,
+                          use_async_rollout=True)
+        trainer = GRPOTrainer(model=_model(tok), reward_funcs=lambda completions, **kw: [float(c.count("a"))
+                                                                                       for c in completions],
+                              args=args, processing_class=tok, train_dataset=Dataset.from_dict({"prompt": ["ab"] * 8}))
+        trainer.train()
+        stale = [h["rollout/staleness"] for h in trainer.state.log_history if "rollout/staleness" in h]
+        assert stale == [0.0, 1.0, 1.0]
+        # syncs at step 0 (rounds 0 and 1 are generated from it) and at step 1 (round 2); none for step 2
+        assert server.engine.weight_version == 2
+        assert trainer._async_engine is None  # the server holds its own weights: no local copy
+    finally:
+        server.shutdown()

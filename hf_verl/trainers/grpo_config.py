@@ -81,6 +81,9 @@ class GRPOConfig(TrainingArguments):
     advantage_estimator: str = field(default="grpo", metadata=_help(
         "Critic-free estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."))
     mask_truncated_completions: bool = field(default=False, metadata=_help("Exclude completions that hit max_completion_length from the loss."))
+    use_async_rollout: bool = field(default=False, metadata=_help(
+        "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
+    max_staleness: int = field(default=1, metadata=_help("Most weight versions a rollout may lag behind (>= 1)."))
     logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
     log_completions: bool = field(default=False, metadata=_help("Log a sample of completions."))
 
@@ -116,6 +119,9 @@ class GRPOConfig(TrainingArguments):
             raise ValueError("epsilon and epsilon_high must be > 0.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
+        if self.max_staleness < 1:
+            raise ValueError(f"max_staleness must be >= 1 (got {self.max_staleness}); for strictly on-policy "
+                             "rollout set use_async_rollout=False.")
         if self.use_vllm and self.vllm_mode != "server":
             raise ValueError(
                 f"use_vllm=True with vllm_mode={self.vllm_mode!r} (in-process vLLM) is not available in this release; "

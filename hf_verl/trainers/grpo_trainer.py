@@ -95,14 +95,15 @@ class GRPOTrainer(OnPolicyTrainer):
         normalizer = self._global_tokens(batch) / (args.steps_per_generation * args.world_size)
         micro = self._split_round(batch)
         t_ref = time.perf_counter()
-        correct = args.use_vllm and args.vllm_importance_sampling_correction
+        off_policy = args.use_vllm or args.use_async_rollout  # sampled by another engine or older weights
+        correct = off_policy and args.vllm_importance_sampling_correction
         for mb in micro:
             mb.meta["loss_normalizer"] = normalizer
             if args.beta > 0:
                 mb.ref_logprobs = self._reference_logprobs(mb)
-            if self._policy_moves_within_round() or args.use_vllm:
+            if self._policy_moves_within_round() or off_policy:
                 mb.old_logprobs = self._old_logprobs(mb)
-            if args.use_vllm:  # engine/trainer mismatch, logged always, corrected when asked
+            if off_policy:  # behaviour/trainer mismatch, logged always, corrected when asked
                 weights, stats = importance_weights(
                     mb.old_logprobs, mb.sampling_logprobs, mb.completion_mask, args.vllm_importance_sampling_mode,
                     args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)

@@ -31,7 +31,7 @@ from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, pretoken
 from hf_verl.data.samplers import RepeatGroupSampler
 from hf_verl.rewards.callables import combine_rewards, reward_func_name, score_reward_funcs
 from hf_verl.rewards.reward_model import RewardModelScorer
-from hf_verl.rollout.base import FINISH_LENGTH, SamplingParams
+from hf_verl.rollout.base import FINISH_LENGTH, RolloutEngine, SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,9 @@ class OnPolicyTrainer(Trainer):
         self._buffer: list[RolloutBatch] | None = None
         self._micro_step: int | None = None  # set from global_step on the first training_step
         self._engine_step: int | None = None  # global step whose weights a remote engine holds
+        self._pending = None  # asynchronous rollout: (round, weights' round, future)
+        self._executor = None
+        self._async_engine = None
         if train_dataset is not None and hasattr(train_dataset, "__len__"):
             self._get_train_sampler()  # a dataset too small for one round fails here, not at train()
 
@@ -146,7 +149,13 @@ class OnPolicyTrainer(Trainer):
         self._metrics["timing_s/weight_sync"].append(time.perf_counter() - t0)
 
     def _rollout_round(self, rows: list[dict]) -> list[RolloutBatch]:
+        if getattr(self.args, "use_async_rollout", False):
+            return self._async_rollout_round(rows)
         self._sync_engine()
+        return self._finish_collected(self._collect(rows, self.engine))
+
+    def _collect(self, rows: list[dict], engine: RolloutEngine) -> dict:
+        """Tokenise, generate and score: no trainer forward, so it may run off the main thread."""
         t0 = time.perf_counter()
         if "prompt" in rows[0]:
             prompts = [r["prompt"] for r in rows]
@@ -154,24 +163,97 @@ class OnPolicyTrainer(Trainer):
         else:  # pre-tokenised (TRL's PPO datasets)
             tok = pretokenized_prompts(rows, self.processing_class, self.args.max_prompt_length)
             prompts = tok.texts
-        batch = self._generate(tok.ids, prompts)
+        batch = self._generate(tok.ids, prompts, engine)
         t1 = time.perf_counter()
         rewards_per_func = self._score(batch, rows)
         t2 = time.perf_counter()
-        self._metrics["prompts/truncated_ratio"].append(tok.num_truncated / batch.batch_size)
-        return self._finish_round(batch, rows, rewards_per_func, {"generate": t1 - t0, "reward": t2 - t1})
+        return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func,
+                "num_truncated": tok.num_truncated, "timings": {"generate": t1 - t0, "reward": t2 - t1}}
+
+    def _finish_collected(self, c: dict) -> list[RolloutBatch]:
+        self._metrics["prompts/truncated_ratio"].append(c["num_truncated"] / c["batch"].batch_size)
+        return self._finish_round(c["batch"], c["rows"], c["rewards_per_func"], c["timings"])
+
+    # ------------------------------------------------------------------ asynchronous rollout
+    def _async_rollout_round(self, rows: list[dict]) -> list[RolloutBatch]:
+        """Serve round g from the rollout prefetched during round g-1 (one weight version old),
+        then start generating round g+1 with the current weights in a background thread, so
+        that generation overlaps this round's updates."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        args = self.args
+        per_round = args.steps_per_generation * args.num_iterations
+        g = self._micro_step // per_round
+        collected, weights_round = None, g
+        if self._pending is not None and self._pending[0] == g:
+            weights_round, future = self._pending[1], self._pending[2]
+            collected = future.result()
+            if [r.get("prompt", r.get("input_ids")) for r in collected["rows"]] != \
+                    [r.get("prompt", r.get("input_ids")) for r in rows]:
+                logger.warning("prefetched rollout of round %d does not match the dataloader's rows; "
+                               "rolling out synchronously", g)
+                collected, weights_round = None, g
+        self._pending = None
+        engine = self._async_rollout_engine()
+        if collected is None:
+            self._sync_async_engine(engine)
+            collected = self._collect(rows, engine)
+        if (g + 1) * per_round < self.state.max_steps * args.gradient_accumulation_steps:
+            self._sync_async_engine(engine)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_verl-rollout")
+            self._pending = (g + 1, g, self._executor.submit(self._collect, self._round_rows(g + 1), engine))
+        staleness = g - weights_round
+        if staleness > args.max_staleness:  # cannot happen with a one-round prefetch; guards future changes
+            raise RuntimeError(f"rollout of round {g} is {staleness} versions old (max_staleness={args.max_staleness}).")
+        self._metrics["rollout/staleness"].append(float(staleness))
+        return self._finish_collected(collected)
+
+    def _async_rollout_engine(self) -> RolloutEngine:
+        """A remote engine as is; an in-process engine gets its own model copy (training moves the
+        trainer's weights while the next round is generated)."""
+        from hf_verl.rollout.remote import RemoteEngine
+
+        if isinstance(self.engine, RemoteEngine):
+            return self.engine
+        if self._async_engine is None:
+            self._async_engine = TransformersEngine(copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval(),
+                                                    self.processing_class)
+        return self._async_engine
+
+    def _sync_async_engine(self, engine: RolloutEngine) -> None:
+        if engine is self.engine:
+            self._sync_engine()
+            return
+        t0 = time.perf_counter()
+        engine.sync_weights(self.accelerator.unwrap_model(self.model).state_dict().items())
+        self._metrics["timing_s/weight_sync"].append(time.perf_counter() - t0)
+
+    def _round_rows(self, g: int) -> list[dict]:
+        """This process's rows of global round `g`, computed from the sampler as the dataloader will
+        produce them (same epoch seed, same layout)."""
+        args = self.args
+        sampler = self._get_train_sampler()
+        epoch, local = divmod(g, sampler.num_rounds)
+        sampler.set_epoch(epoch)
+        indices = list(sampler)
+        block = sampler.repeat * sampler.world_size * sampler.chunk_size
+        start = local * block + args.process_index * sampler.chunk_size
+        return [self.train_dataset[i] for i in indices[start : start + sampler.chunk_size]]
 
     def _finish_round(self, batch: RolloutBatch, rows: list[dict], rewards_per_func: torch.Tensor,
                       timings: dict[str, float]) -> list[RolloutBatch]:
         raise NotImplementedError
 
-    def _generate(self, prompt_ids: list[list[int]], prompts: list) -> RolloutBatch:
-        out = self.engine.generate(prompt_ids, self._sampling_params())
+    def _generate(self, prompt_ids: list[list[int]], prompts: list, engine: RolloutEngine | None = None) -> RolloutBatch:
+        out = (engine or self.engine).generate(prompt_ids, self._sampling_params())
         batch = RolloutBatch.from_lists(
             prompt_ids, out.completion_ids, self.processing_class.pad_token_id,
             sampling_logprobs=out.logprobs, device=self.accelerator.device,
         )
         batch.is_truncated = torch.tensor([r == FINISH_LENGTH for r in out.finish_reasons], device=batch.device)
+        versions = out.extra.get("weight_versions") or [out.weight_version] * batch.batch_size
+        batch.weight_version = torch.tensor(versions, dtype=torch.long, device=batch.device)
         batch.meta["prompts"] = prompts
         batch.meta["prompt_ids"] = [list(p) for p in prompt_ids]
         batch.meta["completions"] = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
@@ -337,8 +419,13 @@ class OnPolicyTrainer(Trainer):
 
     # ------------------------------------------------------------------ loop
     def train(self, *args, **kwargs):
-        self._buffer, self._micro_step = None, None
-        return super().train(*args, **kwargs)
+        self._buffer, self._micro_step, self._pending = None, None, None
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._executor is not None:  # a prefetch still running finishes; its result is dropped
+                self._executor.shutdown(wait=True)
+                self._executor, self._pending = None, None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         args = self.args

@@ -90,6 +90,10 @@ class PPOConfig(TrainingArguments):
     max_prompt_length: int | None = field(default=512, metadata=_help("Left-truncate prompts to this many tokens."))
     reward_weights: list[float] | None = field(default=None, metadata=_help("Weights of reward functions."))
     shuffle_dataset: bool = field(default=True, metadata=_help("Shuffle the prompt dataset."))
+    use_async_rollout: bool = field(default=False, metadata=_help(
+        "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
+    max_staleness: int = field(default=1, metadata=_help("Most weight versions a rollout may lag behind (>= 1)."))
+    is_clip_max: float = field(default=3.0, metadata=_help("Async rollout: cap of the per-token importance weight."))
     logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
     rollout_accumulation_steps: int | None = field(
         default=None, metadata=_help("Set by __post_init__: the gradient_accumulation_steps given (rollout size).")
@@ -160,6 +164,8 @@ class PPOConfig(TrainingArguments):
             (self.temperature > 0, f"temperature must be > 0 for PPO sampling, got {self.temperature}."),
             (self.stop_token in (None, "eos"), f"stop_token must be 'eos' or None, got {self.stop_token!r}."),
             (not (self.stop_token and self.stop_token_id is not None), "set stop_token or stop_token_id, not both."),
+            (self.max_staleness >= 1, f"max_staleness must be >= 1 (got {self.max_staleness}); for strictly "
+             "on-policy rollout set use_async_rollout=False."),
             (self.critic_warmup_steps >= 0, f"critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}."),
         ]
         for ok, message in checks:

@@ -32,6 +32,7 @@ from hf_verl.algorithms.estimators import (
     masked_whiten,
     token_level_rewards,
 )
+from hf_verl.algorithms.importance import importance_weights
 from hf_verl.algorithms.kl import kl_penalty
 from hf_verl.algorithms.policy_loss import masked_mean, ppo_clip_loss
 from hf_verl.data.batch import RolloutBatch
@@ -213,7 +214,15 @@ class PPOTrainer(OnPolicyTrainer):
         if kl is not None and args.kl_controller == "adaptive":
             mean_kl = self.accelerator.gather(kl.sum(1)).mean().item()
             self.kl_ctl.update(mean_kl, args.batch_size)
-        return self._split_round(batch)
+        micro = self._split_round(batch)
+        if args.use_async_rollout:  # sampled with older weights: truncated IS against the behaviour log-probs
+            for mb in micro:
+                weights, stats = importance_weights(mb.old_logprobs, mb.sampling_logprobs, mb.completion_mask,
+                                                    "token_truncate", None, args.is_clip_max)
+                mb.meta["is_weights"] = weights
+                for k, v in stats.items():
+                    self._metrics[k].append(v)
+        return micro
 
     def _log_round(self, batch, rewards_per_func, scores, kl, non_score, has_eos, timings) -> None:
         m, args = self._metrics, self.args
@@ -249,6 +258,8 @@ class PPOTrainer(OnPolicyTrainer):
         if not warming_up:
             logp, entropy = self._token_logprobs(model, batch, with_entropy=True)
             per_token, clip = ppo_clip_loss(logp, batch.old_logprobs, batch.advantages, mask, args.cliprange)
+            if "is_weights" in batch.meta:
+                per_token = per_token * batch.meta["is_weights"]
             pg_loss = masked_mean(per_token, mask)
             loss = loss + pg_loss
             if args.use_kl_loss and batch.ref_logprobs is not None:
