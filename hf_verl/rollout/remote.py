@@ -196,6 +196,7 @@ class RemoteEngine(RolloutEngine):
             # no blind retries for uploads: a repeated bucket is harmless, but a 4xx must surface
             answer = self._request("POST", f"/v1/weights?update={update}&index={index}&last={last}", payload,
                                    content_type="application/octet-stream", auth=True)
+            del payload  # the encoded bucket goes before the next is encoded: at most one alive
             pending, index = following, index + 1
         if answer is None:
             raise ValueError("sync_weights got no tensors.")

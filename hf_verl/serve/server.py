@@ -187,6 +187,7 @@ class RolloutServer:
             tensors = load_safetensors(payload)
         except Exception as err:  # noqa: BLE001 (any decoding failure is the client's)
             raise HTTPError(400, f"body is not a safetensors bucket: {err}") from None
+        del payload  # the decoded tensors own their memory; the request body can go
         self._check_tensors(tensors)
         now = time.monotonic()
         with self._staged_lock:
