@@ -21,27 +21,16 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import StepTimer, count_a  # noqa: E402
 from tests.conftest import build_char_tokenizer  # noqa: E402
 
 TOKEN = "benchmark-token"
 
 
-def count_a(completions, **kwargs):
-    return [float(c.count("a")) for c in completions]
-
-
-class StepTimer(TrainerCallback):
-    def __init__(self):
-        self.t0, self.steps = None, 0
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == 1:
-            self.t0 = time.perf_counter()
-        elif self.t0 is not None:
-            self.steps += 1
 
 
 def free_port() -> int:

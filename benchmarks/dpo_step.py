@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,9 +30,11 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import StepTimer, current_rss_mib, peak_rss_mib  # noqa: E402
 from tests.conftest import CHAT_TEMPLATE  # noqa: E402
 
 VOCAB_WORDS = 8192
@@ -63,18 +64,6 @@ def build_dataset(n=512, seed=0):
     return Dataset.from_list(rows)
 
 
-class StepTimer(TrainerCallback):
-    """Times steps after a warm-up step, so that one-off set-up is not counted."""
-
-    def __init__(self):
-        self.t0, self.steps = None, 0
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == 1:
-            self.t0 = time.perf_counter()
-        elif self.t0 is not None:
-            self.steps += 1
-
 
 def common(out, steps, padding_free):
     return dict(output_dir=out, use_cpu=True, report_to=[], max_steps=steps, logging_steps=1000,
@@ -83,16 +72,6 @@ def common(out, steps, padding_free):
                 padding_free=padding_free, seed=0, dataloader_num_workers=0)
 
 
-def current_rss_mib():
-    """Resident set size now (Linux ``/proc``), in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("VmRSS not found in /proc/self/status")
-
-
-def peak_rss_mib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def build_trainer(which, steps, out, callbacks):

@@ -12,7 +12,6 @@ Usage: python benchmarks/grpo_step.py [--steps 20] [--repeats 2] [--with-generat
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -21,27 +20,14 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import StepTimer, count_a, current_rss_mib, peak_rss_mib  # noqa: E402
 from tests.conftest import build_char_tokenizer  # noqa: E402
 
 
-def count_a(completions, **kwargs):
-    return [float(c.count("a")) for c in completions]
-
-
-class StepTimer(TrainerCallback):
-    """Times steps after a warm-up step, so that one-off set-up is not counted."""
-
-    def __init__(self):
-        self.t0, self.steps = None, 0
-
-    def on_step_end(self, args, state, control, **kw):
-        if state.global_step == 1:
-            self.t0 = time.perf_counter()
-        elif self.t0 is not None:
-            self.steps += 1
 
 
 def common(out, steps):
@@ -51,16 +37,6 @@ def common(out, steps):
                 beta=0.0, disable_tqdm=True)
 
 
-def current_rss_mib():
-    """Resident set size now (Linux ``/proc``), in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("VmRSS not found in /proc/self/status")
-
-
-def peak_rss_mib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def child(which, steps):
