@@ -75,7 +75,8 @@ def test_lora_merged_sync_path(engine_and_model):
         prompts, GREEDY).completion_ids
 
 
-def test_grpo_trains_with_colocated_vllm(tmp_path):
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_trainers_train_with_colocated_vllm(tmp_path, algo):
     """In a fresh process: vLLM sizes its KV cache from the process's memory, so one engine per process."""
     import json
     import os
@@ -85,11 +86,13 @@ def test_grpo_trains_with_colocated_vllm(tmp_path):
 
     pytest.importorskip("vllm")
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "tests.distributed.grpo_vllm", str(tmp_path)], cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "tests.distributed.grpo_vllm", str(tmp_path), algo], cwd=root,
                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "result.json").read_text())
-    assert r["engine"] == "VLLMEngine" and r["num_logs"] == 3 and r["has_is_metrics"]
-    assert r["weight_version"] == 3  # re-synced before every rollout after the first
+    steps = 3 if algo == "grpo" else 4
+    assert r["engine"] == "VLLMEngine" and r["num_logs"] == steps and r["has_is_metrics"]
+    # re-synced before every rollout after the first (PPO: a rollout feeds 2 mini-batch steps)
+    assert r["weight_version"] == (3 if algo == "grpo" else 2)
     assert r["max_logp_gap"] < 0.05  # the engine's numerics track the trainer's after each sync
     assert r["params_changed"]

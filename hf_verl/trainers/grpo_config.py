@@ -18,6 +18,7 @@ from transformers import TrainingArguments
 from hf_verl.algorithms.advantages import SCALE_REWARDS
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
+from hf_verl.trainers.vllm_args import VLLMArguments
 
 
 def _help(text: str) -> Any:
@@ -25,7 +26,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(TrainingArguments, VLLMArguments):
     """Configuration of :class:`~hf_verl.GRPOTrainer` (a `transformers.TrainingArguments`).
 
     Generation: `num_generations` completions per prompt, of at most `max_completion_length`
@@ -56,20 +57,6 @@ class GRPOConfig(TrainingArguments):
     min_p: float | None = field(default=None, metadata=_help("Min-p sampling; None disables."))
     repetition_penalty: float = field(default=1.0, metadata=_help("Repetition penalty; 1.0 disables."))
     stop: list[str] | None = field(default=None, metadata=_help("Stop strings that end a completion."))
-    use_vllm: bool = field(default=False, metadata=_help("Generate with vLLM: in-process (colocate) or on a server."))
-    vllm_mode: str = field(default="colocate", metadata=_help("'colocate' (in-process VLLMEngine) or 'server' (RemoteEngine)."))
-    vllm_server_base_url: str | None = field(default=None, metadata=_help("Server URL; overrides host and port."))
-    vllm_server_host: str = field(default="0.0.0.0", metadata=_help("Server host (TRL's default)."))
-    vllm_server_port: int = field(default=8000, metadata=_help("Server port."))
-    vllm_server_timeout: float = field(default=240.0, metadata=_help("Seconds per request before retrying."))
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata=_help("Colocate mode: passed to vLLM."))
-    vllm_tensor_parallel_size: int = field(default=1, metadata=_help("Colocate mode: passed to vLLM."))
-    vllm_max_model_length: int | None = field(default=None, metadata=_help("Colocate mode: passed to vLLM."))
-    vllm_enable_sleep_mode: bool = field(default=False, metadata=_help("Colocate mode: passed to vLLM."))
-    vllm_importance_sampling_correction: bool = field(default=True, metadata=_help("Correct the engine/trainer mismatch by importance sampling."))
-    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata=_help("token_truncate, token_mask, sequence_truncate or sequence_mask."))
-    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata=_help("Lower ratio bound."))
-    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata=_help("Upper ratio bound."))
     beta: float = field(default=0.0, metadata=_help("KL coefficient; > 0 creates a reference model."))
     num_iterations: int = field(default=1, metadata=_help("Passes over each generation batch (mu)."))
     epsilon: float = field(default=0.2, metadata=_help("Lower clip range."))
@@ -122,13 +109,7 @@ class GRPOConfig(TrainingArguments):
         if self.max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 (got {self.max_staleness}); for strictly on-policy "
                              "rollout set use_async_rollout=False.")
-        if self.use_vllm and self.vllm_mode not in ("server", "colocate"):
-            raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.vllm_mode!r}.")
-        from hf_verl.algorithms.importance import IS_MODES
-
-        if self.vllm_importance_sampling_mode not in IS_MODES:
-            raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, "
-                             f"got {self.vllm_importance_sampling_mode!r}.")
+        self._validate_vllm()
         self._resolve_generation_batch()
 
     def _resolve_generation_batch(self) -> None:

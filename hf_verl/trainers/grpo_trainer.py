@@ -63,24 +63,6 @@ class GRPOTrainer(OnPolicyTrainer):
                          reward_processing_classes=reward_processing_classes, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, need_reference=args.beta > 0, is_peft=peft_config is not None)
-        if args.use_vllm and args.vllm_mode == "colocate":
-            from hf_verl.rollout.vllm_engine import VLLMEngine
-
-            policy = self.accelerator.unwrap_model(self.model)
-            length = args.vllm_max_model_length or ((args.max_prompt_length or 512) + args.max_completion_length)
-            self.engine = VLLMEngine.from_model(
-                policy, processing_class, dtype=str(policy.dtype).replace("torch.", ""), max_model_len=length,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
-                seed=args.seed + args.process_index)
-        elif args.use_vllm:  # vllm_mode == "server"
-            import os
-
-            from hf_verl.rollout.remote import RemoteEngine
-            from hf_verl.serve.server import TOKEN_ENV
-
-            url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-            self.engine = RemoteEngine(url, token=os.environ.get(TOKEN_ENV), timeout_s=args.vllm_server_timeout)
 
     def _max_new_tokens(self) -> int:
         return self.args.max_completion_length

@@ -95,6 +95,28 @@ class OnPolicyTrainer(Trainer):
         self._async_engine = None
         if train_dataset is not None and hasattr(train_dataset, "__len__"):
             self._get_train_sampler()  # a dataset too small for one round fails here, not at train()
+        if getattr(args, "use_vllm", False):
+            self.engine = self._vllm_engine(args, processing_class)
+
+    def _vllm_engine(self, args, processing_class) -> RolloutEngine:
+        """`use_vllm=True`: in-process vLLM (colocate) or a remote OpenAI-compatible server."""
+        if args.vllm_mode == "colocate":
+            from hf_verl.rollout.vllm_engine import VLLMEngine
+
+            policy = self.accelerator.unwrap_model(self.model)
+            length = args.vllm_max_model_length or ((args.max_prompt_length or 512) + self._max_new_tokens())
+            return VLLMEngine.from_model(
+                policy, processing_class, dtype=str(policy.dtype).replace("torch.", ""), max_model_len=length,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
+                seed=args.seed + args.process_index)
+        import os
+
+        from hf_verl.rollout.remote import RemoteEngine
+        from hf_verl.serve.server import TOKEN_ENV
+
+        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        return RemoteEngine(url, token=os.environ.get(TOKEN_ENV), timeout_s=args.vllm_server_timeout)
 
     # ------------------------------------------------------------------ data
     def _sampling_params(self) -> SamplingParams:

@@ -24,6 +24,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from hf_verl.trainers.vllm_args import VLLMArguments
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class PPOConfig(TrainingArguments):
+class PPOConfig(TrainingArguments, VLLMArguments):
     """Configuration of :class:`~hf_verl.PPOTrainer` (a `transformers.TrainingArguments`).
 
     TRL's fields keep their names and defaults: `num_ppo_epochs=4`, `num_mini_batches=1`,
@@ -93,7 +94,6 @@ class PPOConfig(TrainingArguments):
     use_async_rollout: bool = field(default=False, metadata=_help(
         "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
     max_staleness: int = field(default=1, metadata=_help("Most weight versions a rollout may lag behind (>= 1)."))
-    is_clip_max: float = field(default=3.0, metadata=_help("Async rollout: cap of the per-token importance weight."))
     logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
     rollout_accumulation_steps: int | None = field(
         default=None, metadata=_help("Set by __post_init__: the gradient_accumulation_steps given (rollout size).")
@@ -171,6 +171,7 @@ class PPOConfig(TrainingArguments):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._validate_vllm()
         group = self.advantage_estimator in ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline")
         if group and self.num_generations < 2:
             raise ValueError(

@@ -136,7 +136,10 @@ class PPOTrainer(OnPolicyTrainer):
             )
 
     def _configure_stop(self, args: PPOConfig, tokenizer) -> None:
-        """TRL's rule: stop at EOS only with stop_token='eos' or a stop_token_id, else run to response_length."""
+        """TRL's rule: stop at EOS only with stop_token='eos' or a stop_token_id, else run to response_length
+        (transformers engine; vLLM and servers stop at the model's EOS)."""
+        if not hasattr(self.engine, "eos_token_ids"):
+            return
         if args.stop_token == "eos":
             self.engine.eos_token_ids = {int(tokenizer.eos_token_id)}
         elif args.stop_token_id is not None:
@@ -215,11 +218,13 @@ class PPOTrainer(OnPolicyTrainer):
             mean_kl = self.accelerator.gather(kl.sum(1)).mean().item()
             self.kl_ctl.update(mean_kl, args.batch_size)
         micro = self._split_round(batch)
-        if args.use_async_rollout:  # sampled with older weights: truncated IS against the behaviour log-probs
+        if args.use_async_rollout or args.use_vllm:  # behaviour policy != trainer: log the gap, correct it
             for mb in micro:
-                weights, stats = importance_weights(mb.old_logprobs, mb.sampling_logprobs, mb.completion_mask,
-                                                    "token_truncate", None, args.is_clip_max)
-                mb.meta["is_weights"] = weights
+                weights, stats = importance_weights(
+                    mb.old_logprobs, mb.sampling_logprobs, mb.completion_mask, args.vllm_importance_sampling_mode,
+                    args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+                if args.vllm_importance_sampling_correction:
+                    mb.meta["is_weights"] = weights
                 for k, v in stats.items():
                     self._metrics[k].append(v)
         return micro

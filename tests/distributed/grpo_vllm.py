@@ -35,5 +35,39 @@ def main(out: str) -> None:
         json.dump(result, f)
 
 
+
+
+def ppo_main(out: str) -> None:
+    """PPOTrainer with a critic, use_vllm=True colocate."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from hf_verl.trainers.ppo_config import PPOConfig
+    from hf_verl.trainers.ppo_trainer import PPOTrainer
+
+    tok = build_char_tokenizer()
+    policy = _model(tok).train()
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    torch.manual_seed(1)
+    critic = LlamaForSequenceClassification(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                        num_attention_heads=4, vocab_size=len(tok), num_labels=1,
+                                                        pad_token_id=tok.pad_token_id))
+    args = PPOConfig(output_dir=out, use_cpu=True, report_to=[], max_steps=4, logging_steps=1,
+                     per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, num_ppo_epochs=1,
+                     response_length=6, learning_rate=1e-3, save_strategy="no", disable_tqdm=True, stop_token="eos",
+                     use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25, max_prompt_length=16)
+    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, value_model=critic,
+                         reward_model=lambda completions, **kw: [float(len(set(c))) for c in completions],
+                         train_dataset=Dataset.from_dict({"prompt": ["abc", "xy"] * 8}))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    result = {"engine": type(trainer.engine).__name__, "num_logs": len(logs),
+              "has_is_metrics": any("sampling/importance_sampling_ratio/mean" in h for h in logs),
+              "weight_version": trainer.engine.weight_version,
+              "max_logp_gap": max(h.get("sampling/sampling_logp_difference/mean", 0.0) for h in logs),
+              "params_changed": any(not torch.equal(p, before[n]) for n, p in policy.named_parameters())}
+    with open(f"{out}/result.json", "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    (ppo_main if sys.argv[2:] == ["ppo"] else main)(sys.argv[1])

@@ -1,0 +1,46 @@
+"""`VLLMArguments`: TRL's vLLM fields, shared by GRPOConfig and PPOConfig.
+
+`use_vllm=True` generates with in-process vLLM (`vllm_mode="colocate"`, a
+:class:`~hf_verl.rollout.vllm_engine.VLLMEngine`) or on an OpenAI-compatible server
+(`vllm_mode="server"`, a :class:`~hf_verl.rollout.remote.RemoteEngine` on `vllm_server_*`). The
+engine's log-probs are compared with the trainer's and, with
+`vllm_importance_sampling_correction`, corrected by truncated or masked importance sampling (also
+used for the stale samples of asynchronous rollout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _help(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class VLLMArguments:
+    use_vllm: bool = field(default=False, metadata=_help("Generate with vLLM: in-process (colocate) or on a server."))
+    vllm_mode: str = field(default="colocate", metadata=_help("'colocate' (in-process VLLMEngine) or 'server' (RemoteEngine)."))
+    vllm_server_base_url: str | None = field(default=None, metadata=_help("Server URL; overrides host and port."))
+    vllm_server_host: str = field(default="0.0.0.0", metadata=_help("Server host (TRL's default)."))
+    vllm_server_port: int = field(default=8000, metadata=_help("Server port."))
+    vllm_server_timeout: float = field(default=240.0, metadata=_help("Seconds per request before retrying."))
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata=_help("Colocate mode: passed to vLLM."))
+    vllm_tensor_parallel_size: int = field(default=1, metadata=_help("Colocate mode: passed to vLLM."))
+    vllm_max_model_length: int | None = field(default=None, metadata=_help("Colocate mode: passed to vLLM."))
+    vllm_enable_sleep_mode: bool = field(default=False, metadata=_help("Colocate mode: passed to vLLM."))
+    vllm_importance_sampling_correction: bool = field(default=True, metadata=_help("Correct the engine/trainer mismatch by importance sampling."))
+    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata=_help("token_truncate, token_mask, sequence_truncate or sequence_mask."))
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata=_help("Lower ratio bound."))
+    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata=_help("Upper ratio bound."))
+
+    def _validate_vllm(self) -> None:
+        if self.use_vllm and self.vllm_mode not in ("server", "colocate"):
+            raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.vllm_mode!r}.")
+        from hf_verl.algorithms.importance import IS_MODES
+
+        if self.vllm_importance_sampling_mode not in IS_MODES:
+            raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, "
+                             f"got {self.vllm_importance_sampling_mode!r}.")
+
