@@ -96,3 +96,44 @@ def test_trainers_train_with_colocated_vllm(tmp_path, algo):
     assert r["weight_version"] == (3 if algo == "grpo" else 2)
     assert r["max_logp_gap"] < 0.05  # the engine's numerics track the trainer's after each sync
     assert r["params_changed"]
+
+
+def test_remote_engine_syncs_a_vllm_dev_mode_server(tmp_path):
+    """A real `vllm serve` (OpenAI server, dev mode): token ids back, then an in-place reload_weights."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    from hf_verl.rollout.remote import RemoteEngine
+
+    tok = build_char_tokenizer()
+    model = _model(tok)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path / "m"),
+                               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
+                               "--enforce-eager", "--gpu-memory-utilization", "0.25"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        remote = RemoteEngine(f"http://127.0.0.1:{port}", backend="vllm", shared_dir=str(tmp_path), max_retries=40,
+                              backoff_s=1.0, bucket_bytes=64 * 1024)
+        prompts = [tok(p)["input_ids"] for p in ["abc", "hello"]]
+        out = remote.generate(prompts, GREEDY)
+        assert out.completion_ids == TransformersEngine(model, tok).generate(prompts, GREEDY).completion_ids
+        perturbed = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in perturbed.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+        remote.sync_weights(perturbed.state_dict().items())
+        after = remote.generate(prompts, GREEDY)
+        assert after.completion_ids == TransformersEngine(perturbed, tok).generate(prompts, GREEDY).completion_ids
+        assert after.completion_ids != out.completion_ids and remote.weight_version == 1
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

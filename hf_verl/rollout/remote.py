@@ -10,7 +10,10 @@ response, the error names the URL and what came back.
 
 Weight sync streams (name, tensor) pairs in buckets of `bucket_bytes` as safetensors bodies to
 `POST /v1/weights` (hf_verl's server, bearer token), the last one flagged so the server applies
-the update atomically.
+the update atomically. With `backend="vllm"` (a `vllm serve` started with
+`VLLM_SERVER_DEV_MODE=1`), the buckets are written as safetensors shards into `shared_dir` (a
+folder the server can read), then one `POST /collective_rpc` `reload_weights(weights_path=...)`
+reloads them all in place and `POST /reset_prefix_cache` drops cached prefixes.
 """
 
 from __future__ import annotations
@@ -66,8 +69,11 @@ class RemoteEngine(RolloutEngine):
 
     def __init__(self, base_url: str, *, model: str | None = None, token: str | None = None, timeout_s: float = 120.0,
                  max_retries: int = 3, backoff_s: float = 0.5, max_concurrency: int = 8, prompts_per_request: int = 16,
-                 bucket_bytes: int = 256 * 2**20) -> None:
+                 bucket_bytes: int = 256 * 2**20, backend: str = "hf_verl", shared_dir: str | None = None) -> None:
         super().__init__()
+        if backend not in ("hf_verl", "vllm"):
+            raise ValueError(f"backend must be 'hf_verl' or 'vllm', got {backend!r}.")
+        self.backend, self.shared_dir = backend, shared_dir
         self.base_url = base_url.rstrip("/")
         self.token, self.timeout_s = token, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
@@ -101,6 +107,8 @@ class RemoteEngine(RolloutEngine):
                 last = err
                 logger.warning("request to %s failed (attempt %d of %d): %s", url, attempt + 1, attempts, err)
                 continue
+            if not raw.strip():
+                return {}
             try:
                 return json.loads(raw)
             except json.JSONDecodeError:
@@ -183,6 +191,9 @@ class RemoteEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Upload full HF-named tensors bucket by bucket; the server applies them at the last one."""
+        if self.backend == "vllm":
+            self._sync_vllm_server(named_tensors)
+            return
         from safetensors.torch import save as save_safetensors
 
         update = uuid.uuid4().hex
@@ -204,3 +215,35 @@ class RemoteEngine(RolloutEngine):
             raise RolloutServerError(f"{self.base_url} did not apply the weight update: {answer}")
         self._weight_version = int(answer["weight_version"])
         logger.info("synced %d bucket(s) to %s; weight version %d", index, self.base_url, self._weight_version)
+
+    def _sync_vllm_server(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Shards in `shared_dir`, then one in-place `reload_weights` on the vLLM dev-mode server."""
+        import os
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        root = tempfile.mkdtemp(prefix="hf_verl_sync_", dir=self.shared_dir)
+        try:
+            count = 0
+            for i, bucket in enumerate(tensor_buckets(named_tensors, self.bucket_bytes)):
+                save_file({n: t.detach().contiguous().cpu() for n, t in bucket},
+                          os.path.join(root, f"model-{i:05d}.safetensors"))
+                count += len(bucket)
+            if not count:
+                raise ValueError("sync_weights got no tensors.")
+            body = json.dumps({"method": "reload_weights", "kwargs": {"weights_path": root}}).encode()
+            self._request("POST", "/collective_rpc", body, retry=False)
+            self._request_empty("POST", "/reset_prefix_cache")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        self._bump_version()
+        logger.info("vLLM server %s reloaded %d tensors; weight version %d", self.base_url, count, self.weight_version)
+
+    def _request_empty(self, method: str, path: str) -> None:
+        req = urllib.request.Request(f"{self.base_url}{path}", data=b"", method=method)
+        try:
+            urllib.request.urlopen(req, timeout=self.timeout_s).read()
+        except (urllib.error.URLError, OSError) as err:
+            raise RolloutServerError(f"{self.base_url}{path} failed: {err}") from None
