@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="File holding the bearer token of the weight routes (else $HF_VERL_SERVE_TOKEN).")
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--trust-remote-code", action="store_true", help="Allow custom model code from the Hub.")
+    serve.add_argument("--max-model-len", type=int, default=None, help="--engine vllm: context length.")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                       help="--engine vllm: share of GPU memory (on CPU: of host memory) vLLM reserves.")
     return parser
 
 
@@ -46,14 +49,19 @@ def run_serve(args) -> int:
     from hf_verl.rollout.hf_engine import TransformersEngine
     from hf_verl.serve.server import RolloutServer, read_token
 
-    if args.engine == "vllm":
-        raise SystemExit("hf-verl serve --engine vllm is not available in this release; use --engine transformers "
-                         "(or run `vllm serve` and point RemoteEngine at it).")
     token = read_token(args.token_file)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), use_safetensors=True,
-                                                 trust_remote_code=args.trust_remote_code)
-    engine = TransformersEngine(model.eval(), tokenizer)
+    if args.engine == "vllm":
+        from hf_verl.rollout.vllm_engine import VLLMEngine
+
+        if args.trust_remote_code:
+            raise SystemExit("--trust-remote-code is not passed to vLLM by hf-verl serve; use --engine transformers.")
+        engine = VLLMEngine(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                            gpu_memory_utilization=args.gpu_memory_utilization)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype),
+                                                     use_safetensors=True, trust_remote_code=args.trust_remote_code)
+        engine = TransformersEngine(model.eval(), tokenizer)
     server = RolloutServer(engine, tokenizer, args.model, host=args.host, port=args.port, token=token)
     try:
         server.serve_forever()

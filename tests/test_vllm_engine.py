@@ -137,3 +137,45 @@ def test_remote_engine_syncs_a_vllm_dev_mode_server(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_hf_verl_serve_with_the_vllm_engine(tmp_path):
+    """`hf-verl serve --engine vllm`: generation and a bucketed, token-protected weight update."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    from hf_verl.rollout.remote import RemoteEngine, RolloutServerError
+
+    tok = build_char_tokenizer()
+    model = _model(tok)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, HF_VERL_SERVE_TOKEN="t0ken", HF_HUB_OFFLINE="1")
+    server = subprocess.Popen([sys.executable, "-m", "hf_verl", "serve", str(tmp_path / "m"), "--engine", "vllm",
+                               "--port", str(port), "--max-model-len", "64", "--gpu-memory-utilization", "0.25"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        remote = RemoteEngine(url, token="t0ken", max_retries=40, backoff_s=1.0, bucket_bytes=64 * 1024)
+        prompts = [tok(p)["input_ids"] for p in ["abc", "hello"]]
+        out = remote.generate(prompts, GREEDY)
+        assert out.completion_ids == TransformersEngine(model, tok).generate(prompts, GREEDY).completion_ids
+        with pytest.raises(RolloutServerError, match="401"):
+            RemoteEngine(url, token="wrong").sync_weights(model.state_dict().items())
+        perturbed = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in perturbed.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+        remote.sync_weights(perturbed.state_dict().items())  # many buckets, applied at the last one
+        after = remote.generate(prompts, GREEDY)
+        assert after.weight_version == 1
+        assert after.completion_ids == TransformersEngine(perturbed, tok).generate(prompts, GREEDY).completion_ids
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
