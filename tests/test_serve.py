@@ -82,6 +82,15 @@ def test_wrong_or_missing_token_is_rejected_and_weights_unchanged(served):
     assert server.engine.weight_version == 0
 
 
+def test_a_rejected_upload_larger_than_the_socket_buffers_still_reports_401(served):
+    # the server answers 401 before reading the body and closes; the client is still sending 32 MiB
+    server, tok, model = served
+    big = [("model.embed_tokens.weight", torch.zeros(8 * 2**20))]
+    with pytest.raises(RolloutServerError, match=r"401|token"):
+        RemoteEngine(server.address, token="wrong", timeout_s=30).sync_weights(big)
+    assert server.engine.weight_version == 0 and torch.count_nonzero(model.model.embed_tokens.weight) > 0
+
+
 def test_a_killed_upload_leaves_the_old_weights_serving(served):
     server, tok, model = served
     from safetensors.torch import save

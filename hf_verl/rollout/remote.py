@@ -22,6 +22,7 @@ import json
 import logging
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterable, Sequence
@@ -190,31 +191,78 @@ class RemoteEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Upload full HF-named tensors bucket by bucket; the server applies them at the last one."""
+        """Upload full HF-named tensors bucket by bucket; the server applies them at the last one.
+
+        Each bucket is one safetensors body written straight from the tensors' memory
+        (:mod:`hf_verl.rollout.tensor_wire`) over one kept-alive connection; uploads are not
+        retried blindly (a 4xx must surface), and any failure names the URL.
+        """
         if self.backend == "vllm":
             self._sync_vllm_server(named_tensors)
             return
-        from safetensors.torch import save as save_safetensors
-
         update = uuid.uuid4().hex
         buckets = tensor_buckets(named_tensors, self.bucket_bytes)
         pending = next(buckets, None)
-        index, answer = 0, None
-        while pending is not None:
-            following = next(buckets, None)
-            payload = save_safetensors({n: t.detach().contiguous().cpu() for n, t in pending})
-            last = int(following is None)
-            # no blind retries for uploads: a repeated bucket is harmless, but a 4xx must surface
-            answer = self._request("POST", f"/v1/weights?update={update}&index={index}&last={last}", payload,
-                                   content_type="application/octet-stream", auth=True)
-            del payload  # the encoded bucket goes before the next is encoded: at most one alive
-            pending, index = following, index + 1
-        if answer is None:
+        if pending is None:
             raise ValueError("sync_weights got no tensors.")
+        index, answer, conn = 0, None, None
+        try:
+            while pending is not None:
+                following = next(buckets, None)
+                path = f"/v1/weights?update={update}&index={index}&last={int(following is None)}"
+                conn, answer = self._upload(conn, path, pending)
+                pending, index = following, index + 1
+        finally:
+            if conn is not None:
+                conn.close()
         if not answer.get("applied"):
             raise RolloutServerError(f"{self.base_url} did not apply the weight update: {answer}")
         self._weight_version = int(answer["weight_version"])
         logger.info("synced %d bucket(s) to %s; weight version %d", index, self.base_url, self._weight_version)
+
+    def _upload(self, conn, path: str, bucket: list[tuple[str, torch.Tensor]]):
+        """POST one bucket on `conn` (opened when None or dropped); returns `(conn, answer)`."""
+        import http.client
+
+        from hf_verl.rollout.tensor_wire import encode
+
+        url = f"{self.base_url}{path}"
+        prefix, chunks = encode(bucket)
+        length = len(prefix) + sum(c.nbytes for c in chunks)
+        if conn is None:
+            parts = urllib.parse.urlsplit(self.base_url)
+            cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+            conn = cls(parts.hostname, parts.port, timeout=self.timeout_s)
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(length)}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        sent_error: Exception | None = None
+        try:
+            conn.putrequest("POST", urllib.parse.urlsplit(self.base_url).path + path, skip_accept_encoding=True)
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.endheaders(prefix)
+            for chunk in chunks:
+                conn.send(chunk)
+        except OSError as err:  # the server may have answered (401, 413) and closed before the body ended
+            sent_error = err
+        try:
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as err:
+            conn.close()
+            why = sent_error or err
+            raise RolloutServerError(f"uploading weights to {url} failed: {why}. Is the server up (and the token "
+                                     "right)?") from None
+        if resp.will_close:
+            conn.close()
+            conn = None
+        if resp.status != 200:
+            raise RolloutServerError(f"{url} answered {resp.status}: {raw[:300].decode(errors='replace')}")
+        try:
+            return conn, json.loads(raw)
+        except json.JSONDecodeError:
+            raise RolloutServerError(f"{url} did not answer JSON: {raw[:200]!r}") from None
 
     def _sync_vllm_server(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Shards in `shared_dir`, then one in-place `reload_weights` on the vLLM dev-mode server."""

@@ -13,8 +13,10 @@ Routes:
   that generation holds, so a partial update is never served; a client that dies mid-upload
   leaves the old weights serving (its staged buckets expire).
 
-Staging holds the update's tensors in host memory until it completes (up to one model copy on
-the server side; the trainer side streams bucket by bucket). Uses only the standard library's
+Bucket bodies are read straight into tensors and staged as views into them
+(:mod:`hf_verl.rollout.tensor_wire`), so staging holds one copy of the update in host memory
+until it completes (one model copy on the server side; the trainer side streams bucket by
+bucket, sending from the parameters' own memory). Uses only the standard library's
 HTTP server (threaded), so it runs wherever hf_verl runs.
 """
 
@@ -173,8 +175,9 @@ class RolloutServer:
         if not hmac.compare_digest(given.encode(), self.token.encode()):
             raise HTTPError(401, "missing or wrong bearer token")
 
-    def receive_bucket(self, query: dict, payload: bytes) -> dict:
-        from safetensors.torch import load as load_safetensors
+    def receive_bucket(self, query: dict, payload: torch.Tensor) -> dict:
+        """Stage one bucket (`payload`: the body as a 1-D uint8 tensor); apply the update at its last."""
+        from hf_verl.rollout.tensor_wire import WireFormatError, decode
 
         update = query.get("update", [""])[0]
         try:
@@ -184,10 +187,9 @@ class RolloutServer:
         if not update:
             raise HTTPError(400, "a bucket needs ?update=<id>&index=<i>&last=0|1")
         try:
-            tensors = load_safetensors(payload)
-        except Exception as err:  # noqa: BLE001 (any decoding failure is the client's)
+            tensors = decode(payload)  # views into the body: the bucket is held once
+        except WireFormatError as err:
             raise HTTPError(400, f"body is not a safetensors bucket: {err}") from None
-        del payload  # the decoded tensors own their memory; the request body can go
         self._check_tensors(tensors)
         now = time.monotonic()
         with self._staged_lock:
@@ -267,14 +269,33 @@ class RolloutServer:
             def _error(self, status: int, message: str) -> None:
                 self._send(status, {"error": {"message": message, "code": status}})
 
-            def _body(self) -> bytes:
-                length = int(self.headers.get("Content-Length") or 0)
+            def _length(self) -> int:
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    raise HTTPError(400, "Content-Length is not an integer") from None
                 if length > server.max_upload_bytes:
                     raise HTTPError(413, f"body of {length} bytes exceeds the limit of {server.max_upload_bytes}")
+                return length
+
+            def _body(self) -> bytes:
+                length = self._length()
                 data = self.rfile.read(length)
                 if len(data) != length:
                     raise HTTPError(400, f"body ended after {len(data)} of {length} bytes")
                 return data
+
+            def _body_tensor(self) -> torch.Tensor:
+                """The body read straight into one uint8 tensor (no intermediate `bytes`)."""
+                length = self._length()
+                body = torch.empty(length, dtype=torch.uint8)
+                view, got = memoryview(body.numpy()), 0
+                while got < length:
+                    n = self.rfile.readinto(view[got:])
+                    if not n:
+                        raise HTTPError(400, f"body ended after {got} of {length} bytes")
+                    got += n
+                return body
 
             def do_GET(self):
                 path = urlparse(self.path).path
@@ -299,14 +320,16 @@ class RolloutServer:
                         self._send(200, server.completions(body))
                     elif url.path == "/v1/weights":
                         server.check_token(self.headers.get("Authorization"))  # before reading the body
-                        payload = self._body()
                         if self.headers.get("Content-Type", "").startswith("application/json"):
-                            spec = json.loads(payload or b"{}")
-                            if "path" not in spec:
+                            try:
+                                spec = json.loads(self._body() or b"{}")
+                            except json.JSONDecodeError as err:
+                                raise HTTPError(400, f"body is not JSON: {err}") from None
+                            if not isinstance(spec, dict) or "path" not in spec:
                                 raise HTTPError(400, 'a JSON weight update needs {"path": ...}')
                             self._send(200, server.receive_path(spec["path"]))
                         else:
-                            self._send(200, server.receive_bucket(parse_qs(url.query), payload))
+                            self._send(200, server.receive_bucket(parse_qs(url.query), self._body_tensor()))
                     else:
                         self._error(404, f"no route POST {url.path}")
                 except HTTPError as err:
