@@ -74,7 +74,16 @@ class VLLMEngine(RolloutEngine):
         target = getattr(model, "merge_and_unload", None)
         if target is not None:  # PEFT: vLLM gets the base architecture; merged weights arrive by sync
             model = model.get_base_model()
-        model.save_pretrained(tmp.name, safe_serialization=True)
+        # transformers >= 5 writes only on torch.distributed rank 0; under data parallelism every rank starts
+        # its own engine from its own private folder, so this save must happen on every rank
+        patched = hasattr(model, "should_save_on_this_rank")
+        if patched:
+            model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            model.save_pretrained(tmp.name, safe_serialization=True)
+        finally:
+            if patched:
+                del model.should_save_on_this_rank
         tokenizer.save_pretrained(tmp.name)
         engine = cls(tmp.name, **kwargs)
         engine._tmpdir = tmp
