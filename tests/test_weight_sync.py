@@ -183,3 +183,33 @@ def test_fsdp2_dtensors_gathered_one_process(tmp_path):
         _assert_matches(pairs, reference)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_write_model_dir_reloads_as_the_same_model(tmp_path, tie):
+    # the folder a colocated vLLM engine starts from (hf_verl.rollout.vllm_engine.write_model_dir)
+    from hf_verl.rollout.vllm_engine import write_model_dir
+    from tests.conftest import build_char_tokenizer
+
+    model = _tiny_llama(tie)
+    assert model.config.architectures is None  # built in code: the folder must name the class itself
+    write_model_dir(model, build_char_tokenizer(), str(tmp_path))
+    back = LlamaForCausalLM.from_pretrained(str(tmp_path))
+    assert back.config.architectures == ["LlamaForCausalLM"] and model.config.architectures is None
+    _assert_matches(list(back.state_dict().items()), model.state_dict())
+    assert (tmp_path / "tokenizer.json").exists() or (tmp_path / "tokenizer_config.json").exists()
+
+
+def test_write_model_dir_merges_a_peft_actor_under_base_names(tmp_path):
+    peft = pytest.importorskip("peft")
+    from hf_verl.rollout.vllm_engine import write_model_dir
+    from tests.conftest import build_char_tokenizer
+
+    peft_model = peft.get_peft_model(_tiny_llama(False), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    write_model_dir(peft_model, build_char_tokenizer(), str(tmp_path))
+    _assert_matches(list(LlamaForCausalLM.from_pretrained(str(tmp_path)).state_dict().items()), reference)

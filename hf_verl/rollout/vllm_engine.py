@@ -18,6 +18,7 @@ do nothing on CPU.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import tempfile
@@ -69,22 +70,9 @@ class VLLMEngine(RolloutEngine):
 
     @classmethod
     def from_model(cls, model, tokenizer, **kwargs) -> VLLMEngine:
-        """Start vLLM on a copy of an in-memory HF model (saved once as safetensors to a temp dir)."""
+        """Start vLLM on a copy of an in-memory HF model (written once as safetensors to a temp dir)."""
         tmp = tempfile.TemporaryDirectory(prefix="hf_verl_vllm_")
-        target = getattr(model, "merge_and_unload", None)
-        if target is not None:  # PEFT: vLLM gets the base architecture; merged weights arrive by sync
-            model = model.get_base_model()
-        # transformers >= 5 writes only on torch.distributed rank 0; under data parallelism every rank starts
-        # its own engine from its own private folder, so this save must happen on every rank
-        patched = hasattr(model, "should_save_on_this_rank")
-        if patched:
-            model.should_save_on_this_rank = lambda is_main_process: is_main_process
-        try:
-            model.save_pretrained(tmp.name, safe_serialization=True)
-        finally:
-            if patched:
-                del model.should_save_on_this_rank
-        tokenizer.save_pretrained(tmp.name)
+        write_model_dir(model, tokenizer, tmp.name)
         engine = cls(tmp.name, **kwargs)
         engine._tmpdir = tmp
         return engine
@@ -144,3 +132,37 @@ class VLLMEngine(RolloutEngine):
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
             self._tmpdir = None
+
+
+def write_model_dir(model, tokenizer, path: str) -> None:
+    """Write `model` as a folder vLLM can load: config, generation config, tokenizer and one
+    safetensors file of its HF-named weights (PEFT adapters merged, wrappers unwrapped, tied
+    duplicates written once).
+
+    Written by hand rather than with `save_pretrained`, which since transformers 5 writes nothing
+    on `torch.distributed` ranks other than 0, while under data parallelism every rank starts its
+    own engine from its own private folder.
+    """
+    from safetensors.torch import save_file
+
+    from hf_verl.rollout.weight_sync import iter_weight_buckets, unwrap_model
+
+    plain = unwrap_model(model)
+    if hasattr(plain, "get_base_model"):  # PEFT: vLLM gets the base architecture under base names
+        plain = plain.get_base_model()
+    config = copy.deepcopy(plain.config)
+    config.architectures = [type(plain).__name__]  # vLLM picks its model class from this
+    config.dtype = str(next(plain.parameters()).dtype).removeprefix("torch.")
+    config.save_pretrained(path)
+    if getattr(plain, "generation_config", None) is not None:
+        plain.generation_config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    tensors, seen = {}, set()
+    for bucket in iter_weight_buckets(model):
+        for name, tensor in bucket:
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if key in seen:  # a tied weight (lm_head = embed_tokens): safetensors stores it once
+                continue
+            seen.add(key)
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
