@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from hf_verl.algorithms.importance import IS_MODES
 from hf_verl.algorithms.kl import KL_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
 
@@ -102,6 +103,21 @@ FIELDS: dict[str, Field] = {
     "debug_path": Field(None, (str, _NONE), lambda v: True, "None or a file path",
                         "JSONL file of debug-mode records; None: `hf_verl_debug.jsonl` in the cwd."),
     "seed": Field(None, (int, _NONE), lambda v: True, "None or an int", "Sampling seed for each rollout."),
+    "use_async_rollout": Field(True, (bool,), lambda v: True, "True or False",
+                               "Generate and score the next dataset rollout in a background thread while the "
+                               "current one trains (`rollout()` without a batch, and `rollouts(...)`)."),
+    "max_staleness": Field(1, (int,), lambda v: v >= 0, "an int >= 0",
+                           "Most optimizer steps a rollout's weights may lag behind the actor when it is handed "
+                           "out; 0 makes async rollout synchronous."),
+    "importance_sampling_correction": Field(True, (bool,), lambda v: True, "True or False",
+                                            "Weight the policy loss of off-policy rollouts (stale, or sampled by "
+                                            "an engine with its own weights) by truncated importance sampling."),
+    "importance_sampling_mode": Field("token_truncate", (str,), lambda v: v in IS_MODES, f"one of {IS_MODES}",
+                                      "How the behaviour/actor ratio is bounded (hf_verl.algorithms.importance)."),
+    "importance_sampling_clip_min": Field(None, (float, _NONE), lambda v: v is None or _nonneg(v),
+                                          "None or a finite float >= 0", "Lower ratio bound; None: unbounded."),
+    "importance_sampling_clip_max": Field(3.0, (float, _NONE), lambda v: v is None or _pos(v),
+                                          "None or a finite float > 0", "Upper ratio bound (the cap)."),
 }
 
 
@@ -112,7 +128,9 @@ class TrainerConfig:
     rollout, `group_size=8` completions per prompt, `max_new_tokens=256`, `temperature=1.0`,
     `estimator="auto"` (GAE with a critic, GRPO without), `gamma=1.0`, `gae_lambda=0.95`,
     `clip_range=0.2`, `value_clip_range=0.2`, `kl_coef=0.0`, `entropy_coef=0.0`, `vf_coef=0.5`,
-    `actor_lr=1e-6`, `critic_lr=1e-5`, `max_grad_norm=1.0`, `model_size=None`.
+    `actor_lr=1e-6`, `critic_lr=1e-5`, `max_grad_norm=1.0`, `model_size=None`,
+    `use_async_rollout=True`, `max_staleness=1`, `importance_sampling_correction=True`
+    (`importance_sampling_mode="token_truncate"`, `importance_sampling_clip_max=3.0`).
 
     Args:
         **overrides: initial values; each is validated as an assignment would be.

@@ -10,10 +10,18 @@ for batch in loader:
 
 Roles load lazily (:mod:`hf_verl.facade.roles`); settings are a validated, live
 :class:`~hf_verl.facade.config.TrainerConfig`; every rollout carries a trace id through its
-loss and step (:mod:`hf_verl.facade.debug`). Departures from verl / TRL: the KL to the reference
-is always a loss term (GRPO style, `kl_estimator`, default k3), also with GAE, where TRL's PPO
-puts it into the token rewards; old log-probs are always recomputed by the actor after
-generation (exact ratios whatever the engine).
+loss and step (:mod:`hf_verl.facade.debug`). With `use_async_rollout` (default) the next rollout
+of `rollout()` / `rollouts(batches)` is generated and scored in a background thread while the
+current one trains (:mod:`hf_verl.facade.prefetch`), at most `max_staleness` optimizer steps
+behind; the trainer-dependent phases (reference, critic, old log-probs, advantages) run on the
+main thread when a rollout is handed out, and off-policy rollouts get a truncated
+importance-sampling weight on the policy loss (:mod:`hf_verl.algorithms.importance`).
+
+Departures from verl / TRL: the KL to the reference is always a loss term (GRPO style,
+`kl_estimator`, default k3), also with GAE, where TRL's PPO puts it into the token rewards; old
+log-probs are always recomputed by the actor when the rollout is handed out (exact PPO ratios
+whatever the engine and however stale the rollout); async rollout is on by default, where TRL's
+trainers (and this package's `GRPOConfig`) default to synchronous generation.
 """
 
 from __future__ import annotations
@@ -21,12 +29,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from hf_verl.algorithms.estimators import compute_advantages, masked_whiten, token_level_rewards
+from hf_verl.algorithms.importance import importance_weights
 from hf_verl.algorithms.kl import kl_penalty
 from hf_verl.algorithms.policy_loss import aggregate_loss, masked_mean, ppo_clip_loss
 from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, is_conversational, tokenize_prompts
@@ -39,6 +49,7 @@ from hf_verl.facade.debug import (
     peak_memory_mb,
     trace,
 )
+from hf_verl.facade.prefetch import GENERATION_SETTINGS, Generated, Pending, RolloutPrefetcher, shares_actor_weights
 from hf_verl.facade.rewards import build_reward_funcs
 from hf_verl.facade.roles import (
     LazyModel,
@@ -53,6 +64,8 @@ from hf_verl.rewards.callables import combine_rewards, reward_func_name, score_r
 from hf_verl.rollout.base import FINISH_LENGTH, RolloutEngine, SamplingParams
 
 logger = TraceLogger(logging.getLogger(__name__), {})
+_DATASET = "dataset"  # key of `rollout()`'s own prefetch (each `rollouts()` generator has its own key)
+_END = object()  # no further batch
 
 # parallelism -> modules of hf_verl, any of which provides it
 _PARALLEL_BACKENDS: dict[str, tuple[str, ...]] = {
@@ -84,6 +97,9 @@ class Trainer:
             defaults to a [`TransformersEngine`] sharing the actor's weights.
 
     Construction loads nothing: roles given by id are fetched the first time they are needed.
+    With `use_async_rollout` (default) a background worker prefetches rollouts; `close()` stops it
+    (`with Trainer(...) as trainer:` closes on exit), and it never keeps a program from exiting
+    for longer than a generation in flight.
     """
 
     def __init__(self, actor_model: Any, critic_model: Any = None, reward_model: Any = None,
@@ -120,6 +136,12 @@ class Trainer:
         self._loss_metrics: dict[str, Any] = {}
         self._loss_rollout: Rollout | None = None
         self.global_step = 0
+        self._pending: dict[Any, Pending] = {}  # prefetched rollouts, by source (`rollout()` or a generator)
+        self._prefetcher = RolloutPrefetcher()
+        weakref.finalize(self, self._prefetcher.close, False)
+        self._engine_step = 0  # the actor step the engine's weights are from (engines that own weights)
+        self._sync_deferred = False
+        self._explicit_logged = self._sync_logged = self._no_logprobs_logged = False
         self.config.add_listener(self._on_config_change)
 
     # ------------------------------------------------------------------ roles
@@ -211,14 +233,148 @@ class Trainer:
             [`Rollout`]: prompts, completions, ids, masks, old / reference log-probs, values,
             rewards, advantages and returns, aligned and on the actor's device, with
             `rollout.metrics` and `rollout.trace_id`.
+
+        With `use_async_rollout` (the default) and no batch, the next rollout's rows are drawn now
+        and generated in the background while this one trains; the next call hands it out. An
+        explicit `batch` is rolled out synchronously: use [`~Trainer.rollouts`] to prefetch batches.
         """
+        if batch is None:
+            return self._serve(_DATASET, lambda: self._draw(self.config.rollout_batch_size))
         trace_id = new_trace_id()
         with trace(trace_id):
+            if self.config.use_async_rollout and not self._explicit_logged:
+                self._explicit_logged = True
+                logger.info("rollout(batch) with an explicit batch is not prefetched (synchronous); for asynchronous "
+                            "rollout over your batches use `for rollout in trainer.rollouts(loader): ...`")
+            return self._finish(self._generate_now(batch, trace_id))
+
+    def rollouts(self, batches: Iterable[Any]) -> Iterator[Rollout]:
+        """One [`Rollout`] per batch of `batches`, generating the next batch while the caller trains.
+
+        Args:
+            batches: an iterable of batches in any form `rollout(batch)` takes (a DataLoader, say).
+
+        Yields:
+            [`Rollout`]: as `rollout(batch)` returns it. With `use_async_rollout` the next batch is
+            taken from `batches` and generated in the background as soon as a rollout is yielded;
+            without it each batch is rolled out when it is asked for.
+
+        Example:
+            ```python
+            for rollout in trainer.rollouts(loader):
+                trainer.step(trainer.compute_loss(rollout))
+            ```
+        """
+        iterator, key = iter(batches), object()
+        try:
+            while (out := self._serve(key, lambda: next(iterator, _END))) is not None:
+                yield out
+        finally:
+            self._pending.pop(key, None)  # an early break drops the prefetch; its generation just ends
+
+    def _prefetching(self) -> bool:
+        cfg = self.config
+        if cfg.use_async_rollout and cfg.max_staleness == 0 and not self._sync_logged:
+            self._sync_logged = True
+            logger.info("max_staleness=0: every rollout is generated synchronously with the current weights")
+        return cfg.use_async_rollout and cfg.max_staleness > 0
+
+    def _generation_settings(self) -> dict[str, Any]:
+        return {k: getattr(self.config, k) for k in GENERATION_SETTINGS}
+
+    def _serve(self, key: Any, next_batch: Callable[[], Any]) -> Rollout | None:
+        """Hand out `key`'s prefetched rollout (or roll one out now), then start its next prefetch."""
+        pending, generated, wait_s = self._pending.pop(key, None), None, 0.0
+        if pending is None:
+            batch = next_batch()
+            if batch is _END:
+                return None
+        else:
             t0 = time.perf_counter()
+            generated = pending.future.result()  # a background error is raised here, as it was raised
+            wait_s, batch = time.perf_counter() - t0, pending.batch
+            if not self._prefetching() or pending.settings != self._generation_settings():
+                logger.info("dropping the prefetched rollout (async rollout or a generation setting changed since "
+                            "it started); regenerating its %d prompts now", self._num_rows(batch))
+                generated = None
+            elif self.global_step - generated.weights_step > self.config.max_staleness:
+                self._pending[key] = pending  # kept: a retry with a higher max_staleness uses it
+                raise RuntimeError(self._staleness_message(generated.weights_step))
+        if generated is None:
+            generated = self._generate_now(batch, new_trace_id())
+        if self._prefetching() and (nxt := next_batch()) is not _END:
+            self._pending[key] = self._submit(nxt)
+        generated.timings["rollout_wait"] = wait_s
+        return self._finish(generated)
+
+    def _staleness_message(self, weights_step: int) -> str:
+        lag = self.global_step - weights_step
+        return (f"the prefetched rollout was generated with the actor's weights of step {weights_step} and would be "
+                f"used at step {self.global_step}: staleness {lag} exceeds config.max_staleness="
+                f"{self.config.max_staleness}. step() ran {lag} times since the previous rollout (PPO epochs or "
+                f"mini-batches?): set config.max_staleness >= {lag}, or config.use_async_rollout = False for "
+                "on-policy rollouts; the next rollout() then uses (or regenerates) the same prompts.")
+
+    @staticmethod
+    def _num_rows(batch: Any) -> int:
+        return len(batch["prompt"]) if isinstance(batch, Mapping) else len(batch)
+
+    def _generate_now(self, batch: Any, trace_id: str) -> Generated:
+        """Generate and score `batch` on the main thread with the actor's current weights."""
+        with trace(trace_id):
             prompts, columns = self._prompts(batch)
-            out, num_truncated = self._generate(prompts)
-            t1 = time.perf_counter()
-            per_func = self._score(out, columns)
+            engine = self.engine
+            if self._prefetcher.busy(engine):
+                self._prefetcher.wait_idle()
+            self._sync_deferred_weights()
+            shared = shares_actor_weights(engine, self.model)
+            prompt_ids, num_truncated = self._tokenize(prompts)
+            generated = self._collect(prompts, prompt_ids, num_truncated, columns, engine, None,
+                                      self.global_step if shared else self._engine_step, not shared)
+        generated.out.meta["trace_id"] = trace_id
+        return generated
+
+    def _submit(self, batch: Any) -> Pending:
+        """Start generating `batch` in the background (rows drawn and tokenized here, on the main thread)."""
+        prompts, columns = self._prompts(batch)
+        prompt_ids, num_truncated = self._tokenize(prompts)
+        engine = self._prefetcher.engine_for(self.engine, self.model, self.global_step)
+        if engine is self._prefetcher.copy_engine:
+            sync_s = self._prefetcher.sync_copy(self.model, self.global_step)
+            version, weights_step = self.engine.weight_version, self.global_step
+        else:
+            self._prefetcher.wait_idle()
+            t0 = time.perf_counter()
+            self._sync_deferred_weights()
+            sync_s, version, weights_step = time.perf_counter() - t0, None, self._engine_step
+        # the copy holds the actor's exact weights: only its staleness makes it off-policy
+        off_policy = engine is not self._prefetcher.copy_engine and not shares_actor_weights(engine, self.model)
+        future = self._prefetcher.submit(engine, self._collect_in_background, new_trace_id(), sync_s, prompts,
+                                         prompt_ids, num_truncated, columns, engine, version, weights_step,
+                                         off_policy)
+        return Pending(batch, self._generation_settings(), future)
+
+    def _collect_in_background(self, trace_id: str, sync_s: float, *args: Any) -> Generated:
+        with trace(trace_id):
+            generated = self._collect(*args)
+        generated.out.meta["trace_id"] = trace_id
+        generated.timings["weight_sync"], generated.prefetched = sync_s, True
+        return generated
+
+    def _collect(self, prompts: list, prompt_ids: list[list[int]], num_truncated: int, columns: dict[str, list],
+                 engine: RolloutEngine, version: int | None, weights_step: int, off_policy: bool) -> Generated:
+        """Generate and score: reads no trainer role, so it may run off the main thread."""
+        t0 = time.perf_counter()
+        out = self._generate(prompts, prompt_ids, engine, version)
+        t1 = time.perf_counter()
+        per_func = self._score(out, columns)
+        timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}
+        return Generated(out, per_func, num_truncated, weights_step, off_policy, timings)
+
+    def _finish(self, generated: Generated) -> Rollout:
+        """The trainer-dependent phases of a rollout, on the main thread with the current roles."""
+        out, timings = generated.out, generated.timings
+        with trace(out.meta["trace_id"]):
             t2 = time.perf_counter()
             out.ref_logprobs = self._reference_logprobs(out)
             t3 = time.perf_counter()
@@ -230,14 +386,19 @@ class Trainer:
                 self.model.train()
             t5 = time.perf_counter()
             self._advantages(out)
-            out.meta["trace_id"] = trace_id
+            staleness = self.global_step - generated.weights_step
+            out.meta.update(weights_step=generated.weights_step, off_policy=generated.off_policy or staleness > 0)
             out.validate()
-            timings = {"generate": t1 - t0, "reward": t2 - t1, "reference": t3 - t2, "critic": t4 - t3,
-                       "old_logprobs": t5 - t4}
-            out.meta["metrics"] = self._rollout_metrics(out, per_func, timings, num_truncated)
+            timings.update(reference=t3 - t2, critic=t4 - t3, old_logprobs=t5 - t4)
+            timings.setdefault("weight_sync", 0.0)
+            timings.setdefault("rollout_wait", 0.0)
+            m = self._rollout_metrics(out, generated.per_func, timings, generated.num_truncated)
+            m.update({"rollout/staleness": staleness, "rollout/prefetched": float(generated.prefetched)})
+            out.meta["metrics"] = m
             self._record("rollout->compute_loss", out.tensor_fields())
-            logger.info("rollout: %d completions, reward mean %.4f, %d generated tokens in %.2fs",
-                        out.batch_size, out.meta["metrics"]["reward/mean"], out.num_completion_tokens, t5 - t0)
+            logger.info("rollout: %d completions, reward mean %.4f, %d generated tokens, staleness %d, waited "
+                        "%.2fs", out.batch_size, m["reward/mean"], out.num_completion_tokens, staleness,
+                        timings.get("rollout_wait", 0.0))
         return out
 
     def _prompts(self, batch: Any) -> tuple[list, dict[str, list]]:
@@ -273,24 +434,31 @@ class Trainer:
             rows.append(dict(self.dataset[self._order.pop()]))
         return rows
 
-    def _generate(self, prompts: list) -> tuple[Rollout, int]:
+    def _tokenize(self, prompts: list) -> tuple[list[list[int]], int]:
+        """Token ids of each (repeated) prompt and the number of distinct prompts truncated."""
+        G = self.config.group_size
+        unique = tokenize_prompts(prompts[::G], self.tokenizer, self.config.max_prompt_length)
+        return [ids for ids in unique.ids for _ in range(G)], unique.num_truncated
+
+    def _generate(self, prompts: list, prompt_ids: list[list[int]], engine: RolloutEngine,
+                  version: int | None) -> Rollout:
+        """Sample on `engine`; `version` overrides the engine's weight version (the actor copy's)."""
         cfg, tok = self.config, self.tokenizer
-        G = cfg.group_size
-        unique = tokenize_prompts(prompts[::G], tok, cfg.max_prompt_length)
-        prompt_ids = [ids for ids in unique.ids for _ in range(G)]
         sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                   top_k=cfg.top_k, seed=cfg.seed)
         device = model_device_dtype(self.model)[0]
         self._record("prompts->actor", {"prompt_ids": torch.tensor([len(p) for p in prompt_ids])})
-        gen = self.engine.generate(prompt_ids, sampling)
+        gen = engine.generate(prompt_ids, sampling)
         out = Rollout.from_lists(prompt_ids, gen.completion_ids, tok.pad_token_id, sampling_logprobs=gen.logprobs,
                                  device=device)
         out.is_truncated = torch.tensor([r == FINISH_LENGTH for r in gen.finish_reasons], device=device)
-        out.weight_version = torch.full((out.batch_size,), gen.weight_version, dtype=torch.long, device=device)
+        versions = gen.extra.get("weight_versions") or [gen.weight_version if version is None else version] * len(
+            prompt_ids)
+        out.weight_version = torch.tensor(versions, dtype=torch.long, device=device)
         out.meta.update(prompts=prompts, completion_ids=gen.completion_ids,
                         completions=tok.batch_decode(gen.completion_ids, skip_special_tokens=True))
         self._record("actor->rollout", out.tensor_fields())
-        return out, unique.num_truncated
+        return out
 
     def _score(self, out: Rollout, columns: dict[str, list]) -> torch.Tensor:
         for k, v in columns.items():
@@ -405,10 +573,13 @@ class Trainer:
 
             logp, entropy = self._actor_logprobs(rollout, with_entropy=True)
             per_token, clip = ppo_clip_loss(logp, rollout.old_logprobs, rollout.advantages, mask, cfg.clip_range)
+            is_weights, m = self._importance_weights(rollout)
+            if is_weights is not None:
+                per_token = per_token * is_weights
             policy_loss = agg(per_token)
             loss = policy_loss
-            m = {"loss/policy": policy_loss.item(), "entropy": masked_mean(entropy.detach(), mask).item(),
-                 "clip_ratio": masked_mean(clip["region_clip"], mask).item()}
+            m.update({"loss/policy": policy_loss.item(), "entropy": masked_mean(entropy.detach(), mask).item(),
+                      "clip_ratio": masked_mean(clip["region_clip"], mask).item()})
             if cfg.kl_coef > 0:
                 ref = rollout.ref_logprobs if rollout.ref_logprobs is not None else self._reference_logprobs(rollout)
                 kl = agg(kl_penalty(logp, ref, cfg.kl_estimator))
@@ -426,6 +597,24 @@ class Trainer:
             self._loss_metrics, self._loss_rollout = m, rollout
             logger.info("compute_loss: total %.4f, policy %.4f", m["loss/total"], m["loss/policy"])
         return loss
+
+    def _importance_weights(self, rollout: Rollout) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """Truncated IS weights of an off-policy rollout (behaviour = the engine's sampling log-probs,
+        target = the actor's old log-probs) and TRL's `sampling/*` metrics; None when on-policy."""
+        cfg = self.config
+        if not rollout.meta.get("off_policy"):
+            return None, {}
+        lp, mask = rollout.sampling_logprobs, rollout.completion_mask.bool()
+        if lp is None or (mask.any() and not torch.isfinite(lp[mask]).any()):
+            if not self._no_logprobs_logged:
+                self._no_logprobs_logged = True
+                logger.info("the rollout engine returned no sampling log-probs: the importance-sampling correction "
+                            "of off-policy rollouts is skipped")
+            return None, {}
+        weights, stats = importance_weights(rollout.old_logprobs, lp, rollout.completion_mask,
+                                            cfg.importance_sampling_mode, cfg.importance_sampling_clip_min,
+                                            cfg.importance_sampling_clip_max)
+        return (weights.detach() if cfg.importance_sampling_correction else None), stats
 
     def _value_loss(self, rollout: Rollout) -> tuple[torch.Tensor, float]:
         """Clipped value loss `0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`, token mean."""
@@ -483,13 +672,38 @@ class Trainer:
             if critic_opt is not None:
                 m["grad_norm/critic"] = self._clip_and_step(critic_opt)
                 m["lr/critic"] = critic_opt.param_groups[0]["lr"]
-            self.engine.sync_weights(self.model.named_parameters())
             self.global_step += 1
+            if self._prefetcher.busy(self.engine):  # never while it generates: synced before its next generation
+                self._sync_deferred = True
+            else:
+                self._sync_engine()
             m.update({"weight_version": self.engine.weight_version, "step": self.global_step, "trace_id": trace_id})
             self._loss_metrics, self._loss_rollout = {}, None
             logger.info("step %d: grad_norm/actor %.4f, weight_version %d", self.global_step,
                         m["grad_norm/actor"], m["weight_version"])
         return m
+
+    def _sync_engine(self) -> None:
+        self.engine.sync_weights(self.model.named_parameters())
+        self._engine_step, self._sync_deferred = self.global_step, False
+
+    def _sync_deferred_weights(self) -> None:
+        """The weight sync `step()` deferred while a generation ran on the engine, applied now."""
+        if self._sync_deferred:
+            self._sync_engine()
+
+    def close(self) -> None:
+        """Stop the background rollout worker (a generation in flight finishes first), drop prefetched
+        rollouts and free the actor copy. The Trainer is also a context manager that closes on exit;
+        using it again after `close()` starts a new worker."""
+        self._pending.clear()
+        self._prefetcher.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _clip_and_step(self, opt: torch.optim.Optimizer) -> float:
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
