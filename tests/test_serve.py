@@ -243,3 +243,52 @@ def test_async_grpo_with_the_remote_engine(tmp_path, monkeypatch):
         assert trainer._async_engine is None  # the server holds its own weights: no local copy
     finally:
         server.shutdown()
+
+
+def test_reward_scoring_overlaps_generation_on_a_server(tmp_path, monkeypatch):
+    # each finished request is scored while the later ones still generate; results equal the plain path
+    import threading
+
+    from datasets import Dataset
+
+    from hf_verl.trainers.grpo_config import GRPOConfig
+    from hf_verl.trainers.grpo_trainer import GRPOTrainer
+
+    tok = build_char_tokenizer()
+    server = RolloutServer(TransformersEngine(_model(tok, seed=1), tok), tok, "tiny", port=0, token=TOKEN).start()
+    monkeypatch.setenv("HF_VERL_SERVE_TOKEN", TOKEN)
+    calls, served = [], []
+    original = server.completions
+
+    def recording(body):  # the server serves one request at a time (generation holds its lock)
+        out = original(body)
+        served.append(time.perf_counter())
+        return out
+
+    server.completions = recording
+    try:
+        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, disable_tqdm=True,
+                          per_device_train_batch_size=16, num_generations=4, max_completion_length=12,
+                          temperature=0.0, gradient_checkpointing=False, save_strategy="no",
+                          use_vllm=True, vllm_mode="server", vllm_server_base_url=server.address)
+
+        def count_a(prompts, completions, **kwargs):
+            calls.append((time.perf_counter(), list(prompts), threading.current_thread().name))
+            return [float(c.count("a")) for c in completions]
+
+        prompts = ["abc", "xyz", "aaa", "bab"]
+        rows = [{"prompt": p} for p in prompts for _ in range(4)]
+        trainer = GRPOTrainer(model=_model(tok, seed=0), reward_funcs=count_a, args=args, processing_class=tok,
+                              train_dataset=Dataset.from_dict({"prompt": prompts}))
+        trainer.engine.prompts_per_request, trainer.engine.max_concurrency = 5, 4  # -> 4 requests of one group
+        streamed = trainer._collect(rows, trainer.engine)
+        assert [len(c[1]) for c in calls] == [4, 4, 4, 4]  # whole groups per reward call
+        assert all(len(set(c[1])) == 1 for c in calls)
+        assert calls[0][0] < max(served)  # the first request was scored before the last was generated
+        calls.clear()
+        plain = trainer._score(trainer._generate([tok(r["prompt"])["input_ids"] for r in rows],
+                                                 [r["prompt"] for r in rows], trainer.engine), rows)
+        assert len(calls) == 1 and torch.equal(streamed["rewards_per_func"], plain)
+        assert streamed["batch"].meta["prompts"] == [r["prompt"] for r in rows]
+    finally:
+        server.shutdown()

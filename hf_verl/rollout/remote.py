@@ -25,8 +25,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 
@@ -133,10 +133,28 @@ class RemoteEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        parts = sorted(self.generate_stream(prompt_ids, sampling), key=lambda part: part[0])
+        ids, lps, reasons, versions = [], [], [], []
+        for _, out in parts:
+            ids += out.completion_ids
+            lps += out.logprobs
+            reasons += out.finish_reasons
+            versions += out.extra["weight_versions"]
+        version = min(versions) if versions else self.weight_version
+        return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons, weight_version=version,
+                                extra={"weight_versions": versions})
+
+    def generate_stream(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                        chunk_rows: int | None = None) -> Iterator[tuple[int, GenerationOutput]]:
+        """Generate like :meth:`generate`, yielding `(offset, output)` per request as each one
+        completes (in completion order), so the caller can score finished rows while the others are
+        still generating. Requests carry `chunk_rows` prompts (default `prompts_per_request`), and
+        up to `max_concurrency` are in flight."""
         prompts = [list(map(int, p)) for p in prompt_ids]
         if any(not p for p in prompts):
             raise ValueError("every prompt must contain at least one token.")
-        chunks = [prompts[i : i + self.prompts_per_request] for i in range(0, len(prompts), self.prompts_per_request)]
+        size = max(1, chunk_rows or self.prompts_per_request)
+        chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), size)]
         body = {"model": self.model, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                 "top_p": sampling.top_p, "top_k": sampling.top_k, "repetition_penalty": sampling.repetition_penalty,
                 "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True}
@@ -148,20 +166,19 @@ class RemoteEngine(RolloutEngine):
             body["seed"] = sampling.seed
 
         def send(chunk):
-            return self._parse(self._request("POST", "/v1/completions", json.dumps({**body, "prompt": chunk}).encode()),
-                               len(chunk))
+            ids, lps, reasons, versions = self._parse(
+                self._request("POST", "/v1/completions", json.dumps({**body, "prompt": chunk}).encode()), len(chunk))
+            return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons,
+                                    weight_version=min(versions) if versions else self.weight_version,
+                                    extra={"weight_versions": versions})
 
-        with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(chunks)))) as pool:
-            results = list(pool.map(send, chunks))
-        ids, lps, reasons, versions = [], [], [], []
-        for r in results:
-            ids += r[0]
-            lps += r[1]
-            reasons += r[2]
-            versions += r[3]
-        version = min(versions) if versions else self.weight_version
-        return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons, weight_version=version,
-                                extra={"weight_versions": versions})
+        pool = ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(chunks))))
+        try:
+            futures = {pool.submit(send, chunk): offset for offset, chunk in chunks}
+            for future in as_completed(futures):
+                yield futures[future], future.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _parse(self, resp: dict, expected: int):
         url = f"{self.base_url}/v1/completions"

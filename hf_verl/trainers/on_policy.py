@@ -31,7 +31,7 @@ from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, pretoken
 from hf_verl.data.samplers import RepeatGroupSampler
 from hf_verl.rewards.callables import combine_rewards, reward_func_name, score_reward_funcs
 from hf_verl.rewards.reward_model import RewardModelScorer
-from hf_verl.rollout.base import FINISH_LENGTH, RolloutEngine, SamplingParams
+from hf_verl.rollout.base import FINISH_LENGTH, GenerationOutput, RolloutEngine, SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 
 logger = logging.getLogger(__name__)
@@ -185,12 +185,44 @@ class OnPolicyTrainer(Trainer):
         else:  # pre-tokenised (TRL's PPO datasets)
             tok = pretokenized_prompts(rows, self.processing_class, self.args.max_prompt_length)
             prompts = tok.texts
-        batch = self._generate(tok.ids, prompts, engine)
-        t1 = time.perf_counter()
-        rewards_per_func = self._score(batch, rows)
-        t2 = time.perf_counter()
+        if hasattr(engine, "generate_stream"):  # a server: score finished requests while others generate
+            batch, rewards_per_func, reward_s = self._generate_scoring_as_done(tok.ids, prompts, rows, engine)
+            t1 = t2 = time.perf_counter()
+            timings = {"generate": t1 - t0 - reward_s, "reward": reward_s}
+        else:
+            batch = self._generate(tok.ids, prompts, engine)
+            t1 = time.perf_counter()
+            rewards_per_func = self._score(batch, rows)
+            t2 = time.perf_counter()
+            timings = {"generate": t1 - t0, "reward": t2 - t1}
         return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func,
-                "num_truncated": tok.num_truncated, "timings": {"generate": t1 - t0, "reward": t2 - t1}}
+                "num_truncated": tok.num_truncated, "timings": timings}
+
+    def _generate_scoring_as_done(self, prompt_ids: list[list[int]], prompts: list, rows: list[dict],
+                                  engine: RolloutEngine) -> tuple[RolloutBatch, torch.Tensor, float]:
+        """Generate through `engine.generate_stream` and score each request's rows as soon as it
+        returns, while the other requests are still generating on the server. Requests hold whole
+        groups, so every reward call sees complete groups. Returns the batch, the scores and the
+        seconds spent scoring."""
+        group = getattr(self.args, "num_generations", 1)
+        chunk = max(group, engine.prompts_per_request // group * group)
+        parts, scores, reward_s = {}, {}, 0.0
+        for offset, out in engine.generate_stream(prompt_ids, self._sampling_params(), chunk_rows=chunk):
+            t0 = time.perf_counter()
+            end = offset + len(out.completion_ids)
+            texts = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
+            scores[offset] = self._score_texts(prompts[offset:end], texts, out.completion_ids, rows[offset:end])
+            reward_s += time.perf_counter() - t0
+            parts[offset] = out
+        order = sorted(parts)
+        merged = GenerationOutput(
+            completion_ids=[c for o in order for c in parts[o].completion_ids],
+            logprobs=[lp for o in order for lp in parts[o].logprobs],
+            finish_reasons=[r for o in order for r in parts[o].finish_reasons],
+            weight_version=min(parts[o].weight_version for o in order),
+            extra={"weight_versions": [v for o in order for v in parts[o].extra["weight_versions"]]})
+        batch = self._batch_from_output(prompt_ids, prompts, merged)
+        return batch, torch.cat([scores[o] for o in order]).to(batch.device), reward_s
 
     def _finish_collected(self, c: dict) -> list[RolloutBatch]:
         self._metrics["prompts/truncated_ratio"].append(c["num_truncated"] / c["batch"].batch_size)
@@ -266,7 +298,10 @@ class OnPolicyTrainer(Trainer):
         raise NotImplementedError
 
     def _generate(self, prompt_ids: list[list[int]], prompts: list, engine: RolloutEngine | None = None) -> RolloutBatch:
-        out = (engine or self.engine).generate(prompt_ids, self._sampling_params())
+        return self._batch_from_output(prompt_ids, prompts, (engine or self.engine).generate(prompt_ids,
+                                                                                           self._sampling_params()))
+
+    def _batch_from_output(self, prompt_ids: list[list[int]], prompts: list, out: GenerationOutput) -> RolloutBatch:
         batch = RolloutBatch.from_lists(
             prompt_ids, out.completion_ids, self.processing_class.pad_token_id,
             sampling_logprobs=out.logprobs, device=self.accelerator.device,
@@ -282,14 +317,16 @@ class OnPolicyTrainer(Trainer):
 
     def _score(self, batch: RolloutBatch, rows: list[dict]) -> torch.Tensor:
         """(N, num_reward_funcs) scores, NaN where a function returned None."""
-        prompts = batch.meta["prompts"]
-        completions = batch.meta["completions"]
+        return self._score_texts(batch.meta["prompts"], batch.meta["completions"], batch.meta["completion_ids"],
+                                 rows).to(batch.device)
+
+    def _score_texts(self, prompts: list, completions: list[str], completion_ids: list[list[int]],
+                     rows: list[dict]) -> torch.Tensor:
         if isinstance(prompts[0], list):  # conversational: completions are assistant messages
             completions = [[{"role": "assistant", "content": c}] for c in completions]
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "input_ids")}
-        scores = score_reward_funcs(self.reward_funcs, prompts=prompts, completions=completions,
-                                    completion_ids=batch.meta["completion_ids"], columns=columns)
-        return scores.to(batch.device)
+        return score_reward_funcs(self.reward_funcs, prompts=prompts, completions=completions,
+                                  completion_ids=completion_ids, columns=columns)
 
     @torch.no_grad()
     def _greedy_baseline_scores(self, batch: RolloutBatch, rows: list[dict]) -> torch.Tensor:
