@@ -341,3 +341,18 @@ def test_close_stops_the_worker_in_bounded_time():
     assert time.perf_counter() - t0 < 30 and trainer._prefetcher._executor is None and not trainer._pending
     assert trainer.rollout().metrics["rollout/prefetched"] == 0.0  # usable again: a new worker
     trainer.close()
+
+
+def test_async_settings_defaults_and_validation():
+    from hf_verl.facade.config import TrainerConfig
+
+    cfg = TrainerConfig()
+    assert (cfg.use_async_rollout, cfg.max_staleness, cfg.importance_sampling_correction) == (True, 1, True)
+    assert (cfg.importance_sampling_mode, cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max) == (
+        "token_truncate", None, 3.0)
+    with pytest.raises(ValueError, match=r"max_staleness must be an int >= 0, got -1"):
+        cfg.max_staleness = -1
+    with pytest.raises(ValueError, match="importance_sampling_mode must be one of"):
+        cfg.importance_sampling_mode = "token_clip"
+    with pytest.raises(TypeError, match="use_async_rollout must be True or False"):
+        cfg.use_async_rollout = 1
