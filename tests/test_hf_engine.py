@@ -104,6 +104,20 @@ def test_sampling_logprobs_use_temperature_and_seed_reproduces(model, tokenizer)
         assert torch.allclose(torch.tensor(lps), _fresh_logprobs(model, p, ids, 0.7), atol=1e-4)
 
 
+@pytest.mark.parametrize("use_generate", [False, True])
+def test_a_seeded_rollout_leaves_the_global_random_state_alone(model, tokenizer, use_generate):
+    # the trainer's dropout / shuffling draws must not be reset by a seeded rollout (nor raced by one
+    # running in a background thread)
+    engine = TransformersEngine(model, tokenizer, use_generate=use_generate)
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=7)
+    torch.manual_seed(0)
+    expected_next = torch.rand(3)
+    torch.manual_seed(0)
+    first = engine.generate(_prompt_ids(tokenizer), sp)
+    assert torch.equal(torch.rand(3), expected_next)
+    assert engine.generate(_prompt_ids(tokenizer), sp).completion_ids == first.completion_ids
+
+
 def test_eos_cut_padding_dropped_and_finish_reasons(model, tokenizer):
     eos = tokenizer.eos_token_id
 

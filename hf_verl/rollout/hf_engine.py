@@ -87,8 +87,11 @@ class TransformersEngine(RolloutEngine):
         prompts = [list(map(int, p)) for p in prompt_ids]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt must contain at least one token.")
+        # a seed draws from a private generator: reseeding torch's global one would also reset the
+        # trainer's random state (dropout, shuffling), and from a background rollout thread, race it
+        generator = None
         if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
+            generator = torch.Generator(self._device()).manual_seed(sampling.seed)
         step = self.batch_size or max(len(prompts), 1)
         completions: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -98,7 +101,7 @@ class TransformersEngine(RolloutEngine):
         try:
             with torch.no_grad():
                 for start in range(0, len(prompts), step):
-                    ids, lps, rs = self._generate_chunk(prompts[start : start + step], sampling)
+                    ids, lps, rs = self._generate_chunk(prompts[start : start + step], sampling, generator)
                     completions += ids
                     logprobs += lps
                     reasons += rs
@@ -128,12 +131,19 @@ class TransformersEngine(RolloutEngine):
         device = self._device()
         return input_ids.to(device), attention_mask.to(device)
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams):
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
+                        generator: torch.Generator | None = None):
         input_ids, attention_mask = self._left_pad(prompts)
         if self.use_generate or sampling.stop:
-            generated, token_lps = self._decode_with_generate(input_ids, attention_mask, sampling)
+            # `generate` samples from the global generator: seed it inside a fork, so the caller's
+            # random state is restored afterwards
+            with torch.random.fork_rng(devices=[input_ids.device] if input_ids.is_cuda else [],
+                                       enabled=generator is not None):
+                if generator is not None:
+                    torch.manual_seed(int(generator.initial_seed()))
+                generated, token_lps = self._decode_with_generate(input_ids, attention_mask, sampling)
         else:
-            generated, token_lps = self._decode_loop(input_ids, attention_mask, sampling)
+            generated, token_lps = self._decode_loop(input_ids, attention_mask, sampling, generator)
 
         ids_out, lps_out, reasons = [], [], []
         for row, row_lps in zip(generated.tolist(), token_lps.tolist()):
@@ -143,7 +153,8 @@ class TransformersEngine(RolloutEngine):
             reasons.append(reason)
         return ids_out, lps_out, reasons
 
-    def _decode_loop(self, input_ids, attention_mask, sampling: SamplingParams):
+    def _decode_loop(self, input_ids, attention_mask, sampling: SamplingParams,
+                     generator: torch.Generator | None = None):
         """KV-cached decode: one prefill, then one single-token forward per step.
 
         Rows that emitted EOS keep emitting padding (log-prob 0); the loop ends once every row has
@@ -163,7 +174,7 @@ class TransformersEngine(RolloutEngine):
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, cache = self._prefill(input_ids, mask, position_ids)
         for t in range(sampling.max_new_tokens):
-            next_ids, lps = sample_next(logits, sampling, prev_ids=seq if needs_prev else None,
+            next_ids, lps = sample_next(logits, sampling, generator=generator, prev_ids=seq if needs_prev else None,
                                         prev_mask=mask if needs_prev else None)
             next_ids = torch.where(unfinished, next_ids, pad)
             lps = lps.masked_fill(~unfinished, 0.0)
