@@ -95,6 +95,18 @@ class GenerationOutput:
     weight_version: int = 0
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def concat(cls, parts: Sequence[GenerationOutput]) -> GenerationOutput:
+        """The outputs of consecutive prompt chunks as one; `weight_version` is the oldest part's and
+        `extra["weight_versions"]` holds one version per completion."""
+        versions = []
+        for p in parts:
+            versions += p.extra.get("weight_versions") or [p.weight_version] * len(p.completion_ids)
+        return cls(completion_ids=[c for p in parts for c in p.completion_ids],
+                   logprobs=[lp for p in parts for lp in p.logprobs],
+                   finish_reasons=[r for p in parts for r in p.finish_reasons],
+                   weight_version=min(versions) if versions else 0, extra={"weight_versions": versions})
+
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
         if len(self.logprobs) != n or len(self.finish_reasons) != n:

@@ -134,15 +134,7 @@ class RemoteEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         parts = sorted(self.generate_stream(prompt_ids, sampling), key=lambda part: part[0])
-        ids, lps, reasons, versions = [], [], [], []
-        for _, out in parts:
-            ids += out.completion_ids
-            lps += out.logprobs
-            reasons += out.finish_reasons
-            versions += out.extra["weight_versions"]
-        version = min(versions) if versions else self.weight_version
-        return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons, weight_version=version,
-                                extra={"weight_versions": versions})
+        return GenerationOutput.concat([out for _, out in parts])
 
     def generate_stream(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                         chunk_rows: int | None = None) -> Iterator[tuple[int, GenerationOutput]]:

@@ -215,12 +215,7 @@ class OnPolicyTrainer(Trainer):
             reward_s += time.perf_counter() - t0
             parts[offset] = out
         order = sorted(parts)
-        merged = GenerationOutput(
-            completion_ids=[c for o in order for c in parts[o].completion_ids],
-            logprobs=[lp for o in order for lp in parts[o].logprobs],
-            finish_reasons=[r for o in order for r in parts[o].finish_reasons],
-            weight_version=min(parts[o].weight_version for o in order),
-            extra={"weight_versions": [v for o in order for v in parts[o].extra["weight_versions"]]})
+        merged = GenerationOutput.concat([parts[o] for o in order])
         batch = self._batch_from_output(prompt_ids, prompts, merged)
         return batch, torch.cat([scores[o] for o in order]).to(batch.device), reward_s
 
