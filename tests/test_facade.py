@@ -279,6 +279,25 @@ def test_peft_actor_with_adapters_disabled_is_the_reference():
     assert changed(before, actor) and all("lora" in n for n in before)
 
 
+def test_an_engine_with_its_own_weights_receives_the_merged_peft_actor_after_a_step():
+    # the engine holds a plain model: it must get base names with the LoRA deltas merged in
+    from peft import LoraConfig, get_peft_model
+
+    from hf_verl.rollout.hf_engine import TransformersEngine
+
+    tok = build_char_tokenizer()
+    base = tiny_llama(tok)
+    engine = TransformersEngine(copy.deepcopy(base).eval(), tok)
+    actor = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer = make_trainer(tok, actor=actor, rollout_engine=engine, config={"use_async_rollout": False})
+    trainer.step(trainer.compute_loss(trainer.rollout(PROMPTS)))
+    merged = copy.deepcopy(actor).merge_and_unload().state_dict()
+    assert engine.weight_version == 1
+    assert all(torch.equal(v, merged[k]) for k, v in engine.model.state_dict().items())
+    assert not torch.equal(engine.model.state_dict()["model.layers.0.self_attn.q_proj.weight"],
+                           base.get_submodule("model.layers.0.self_attn.q_proj").base_layer.weight)
+
+
 def test_vocabulary_mismatch_is_an_error_naming_both_roles():
     tok = build_char_tokenizer()
     with pytest.raises(ValueError, match=r"actor .* vocabulary of \d+ tokens but the reference"):

@@ -684,7 +684,17 @@ class Trainer:
         return m
 
     def _sync_engine(self) -> None:
-        self.engine.sync_weights(self.model.named_parameters())
+        """Bring the engine to the actor's weights: a version bump for an engine on the actor itself,
+        else the actor's HF-named full weights streamed in buckets (PEFT adapters merged, as the
+        trainers sync vLLM and servers)."""
+        if shares_actor_weights(self.engine, self.model):
+            self.engine.sync_weights(self.model.named_parameters())  # its own tensors: nothing is copied
+        else:
+            from hf_verl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
+
+            bucket_bytes = getattr(self.engine, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
+            self.engine.sync_weights(pair for bucket in iter_weight_buckets(self.model, bucket_bytes)
+                                     for pair in bucket)
         self._engine_step, self._sync_deferred = self.global_step, False
 
     def _sync_deferred_weights(self) -> None:
