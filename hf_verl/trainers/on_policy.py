@@ -157,12 +157,11 @@ class OnPolicyTrainer(Trainer):
         a remote server), once per optimizer step, streamed in buckets (PEFT adapters merged on the fly)."""
         if isinstance(self.engine, TransformersEngine) or self._engine_step == self.state.global_step:
             return
+        from hf_verl.rollout.remote import RemoteEngine
         from hf_verl.rollout.weight_sync import iter_weight_buckets
 
         t0 = time.perf_counter()
         model = self.accelerator.unwrap_model(self.model)
-        from hf_verl.rollout.remote import RemoteEngine
-
         if self.accelerator.is_main_process or not isinstance(self.engine, RemoteEngine):  # one server; vLLM per rank
             self.engine.sync_weights(pair for bucket in iter_weight_buckets(model, self.engine.bucket_bytes)
                                      for pair in bucket)
@@ -179,12 +178,7 @@ class OnPolicyTrainer(Trainer):
     def _collect(self, rows: list[dict], engine: RolloutEngine) -> dict:
         """Tokenise, generate and score: no trainer forward, so it may run off the main thread."""
         t0 = time.perf_counter()
-        if "prompt" in rows[0]:
-            prompts = [r["prompt"] for r in rows]
-            tok = tokenize_prompts(prompts, self.processing_class, self.args.max_prompt_length)
-        else:  # pre-tokenised (TRL's PPO datasets)
-            tok = pretokenized_prompts(rows, self.processing_class, self.args.max_prompt_length)
-            prompts = tok.texts
+        tok, prompts = self._tokenize_rows(rows)
         if hasattr(engine, "generate_stream"):  # a server: score finished requests while others generate
             batch, rewards_per_func, reward_s = self._generate_scoring_as_done(tok.ids, prompts, rows, engine)
             t1 = t2 = time.perf_counter()
@@ -197,6 +191,15 @@ class OnPolicyTrainer(Trainer):
             timings = {"generate": t1 - t0, "reward": t2 - t1}
         return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func,
                 "num_truncated": tok.num_truncated, "timings": timings}
+
+    def _tokenize_rows(self, rows: list[dict]):
+        """Prompt token ids of `rows` (a `prompt` column, or pre-tokenised `input_ids` as in TRL's PPO
+        datasets) and the prompts as the reward functions see them."""
+        if "prompt" in rows[0]:
+            prompts = [r["prompt"] for r in rows]
+            return tokenize_prompts(prompts, self.processing_class, self.args.max_prompt_length), prompts
+        tok = pretokenized_prompts(rows, self.processing_class, self.args.max_prompt_length)
+        return tok, tok.texts
 
     def _generate_scoring_as_done(self, prompt_ids: list[list[int]], prompts: list, rows: list[dict],
                                   engine: RolloutEngine) -> tuple[RolloutBatch, torch.Tensor, float]:
@@ -334,12 +337,8 @@ class OnPolicyTrainer(Trainer):
         sampling = dataclasses.replace(self._sampling_params(), temperature=0.0)
         out = self.engine.generate([batch.meta["prompt_ids"][i] for i in unique], sampling)
         texts = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
-        prompts = [batch.meta["prompts"][i] for i in unique]
-        completions = ([[{"role": "assistant", "content": c}] for c in texts] if isinstance(prompts[0], list)
-                       else texts)
-        columns = {k: [rows[i][k] for i in unique] for k in rows[0] if k not in ("prompt", "input_ids")}
-        scores = score_reward_funcs(self.reward_funcs, prompts=prompts, completions=completions,
-                                    completion_ids=out.completion_ids, columns=columns)
+        scores = self._score_texts([batch.meta["prompts"][i] for i in unique], texts, out.completion_ids,
+                                   [rows[i] for i in unique])
         combined = combine_rewards(scores, self.args.reward_weights).to(batch.device)
         where = {k: j for j, k in enumerate(first)}
         return combined[torch.tensor([where[k] for k in keys], device=batch.device)]
@@ -442,12 +441,7 @@ class OnPolicyTrainer(Trainer):
         totals = torch.zeros(3 + 2 * n_funcs, dtype=torch.float64)
         for start in tqdm(range(0, len(shard), size), desc="Evaluating", disable=not self.is_local_process_zero()):
             rows = [shard[i] for i in range(start, min(start + size, len(shard)))]
-            if "prompt" in rows[0]:
-                prompts = [r["prompt"] for r in rows]
-                tok = tokenize_prompts(prompts, self.processing_class, self.args.max_prompt_length)
-            else:
-                tok = pretokenized_prompts(rows, self.processing_class, self.args.max_prompt_length)
-                prompts = tok.texts
+            tok, prompts = self._tokenize_rows(rows)
             batch = self._generate(tok.ids, prompts)
             per_func = self._score(batch, rows).double().cpu()
             combined = combine_rewards(per_func, self.args.reward_weights)
