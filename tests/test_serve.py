@@ -180,10 +180,20 @@ def test_hf_verl_serve_command(tmp_path):
         proc.wait(timeout=30)
 
 
+def _server_grpo_args(tmp_path, server, **overrides):
+    """A small GRPOConfig generating on `server` (TRL's `vllm_mode="server"` fields)."""
+    from hf_verl.trainers.grpo_config import GRPOConfig
+
+    kwargs = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
+                  per_device_train_batch_size=4, num_generations=4, max_completion_length=5, learning_rate=1e-2,
+                  gradient_checkpointing=False, save_strategy="no", disable_tqdm=True, use_vllm=True,
+                  vllm_mode="server", vllm_server_base_url=server.address)
+    return GRPOConfig(**{**kwargs, **overrides})
+
+
 def test_grpo_trains_against_the_server(tmp_path, monkeypatch):
     from datasets import Dataset
 
-    from hf_verl.trainers.grpo_config import GRPOConfig
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
 
     tok = build_char_tokenizer()
@@ -191,10 +201,7 @@ def test_grpo_trains_against_the_server(tmp_path, monkeypatch):
     server = RolloutServer(TransformersEngine(server_model, tok), tok, "tiny", port=0, token=TOKEN).start()
     monkeypatch.setenv("HF_VERL_SERVE_TOKEN", TOKEN)
     try:
-        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
-                          per_device_train_batch_size=4, num_generations=4, max_completion_length=5,
-                          learning_rate=1e-2, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
-                          use_vllm=True, vllm_mode="server", vllm_server_base_url=server.address)
+        args = _server_grpo_args(tmp_path, server)
         policy = _model(tok, seed=0)
 
         def count_a(completions, **kwargs):
@@ -220,18 +227,13 @@ def test_grpo_trains_against_the_server(tmp_path, monkeypatch):
 def test_async_grpo_with_the_remote_engine(tmp_path, monkeypatch):
     from datasets import Dataset
 
-    from hf_verl.trainers.grpo_config import GRPOConfig
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
 
     tok = build_char_tokenizer()
     server = RolloutServer(TransformersEngine(_model(tok, seed=1), tok), tok, "tiny", port=0, token=TOKEN).start()
     monkeypatch.setenv("HF_VERL_SERVE_TOKEN", TOKEN)
     try:
-        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
-                          per_device_train_batch_size=4, num_generations=4, max_completion_length=5,
-                          learning_rate=1e-2, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
-                          use_vllm=True, vllm_mode="server", vllm_server_base_url=server.address,
-                          use_async_rollout=True)
+        args = _server_grpo_args(tmp_path, server, use_async_rollout=True)
         trainer = GRPOTrainer(model=_model(tok), reward_funcs=lambda completions, **kw: [float(c.count("a"))
                                                                                        for c in completions],
                               args=args, processing_class=tok, train_dataset=Dataset.from_dict({"prompt": ["ab"] * 8}))
@@ -251,7 +253,6 @@ def test_reward_scoring_overlaps_generation_on_a_server(tmp_path, monkeypatch):
 
     from datasets import Dataset
 
-    from hf_verl.trainers.grpo_config import GRPOConfig
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
 
     tok = build_char_tokenizer()
@@ -267,10 +268,8 @@ def test_reward_scoring_overlaps_generation_on_a_server(tmp_path, monkeypatch):
 
     server.completions = recording
     try:
-        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, disable_tqdm=True,
-                          per_device_train_batch_size=16, num_generations=4, max_completion_length=12,
-                          temperature=0.0, gradient_checkpointing=False, save_strategy="no",
-                          use_vllm=True, vllm_mode="server", vllm_server_base_url=server.address)
+        args = _server_grpo_args(tmp_path, server, max_steps=1, per_device_train_batch_size=16,
+                                 max_completion_length=12, temperature=0.0)
 
         def count_a(prompts, completions, **kwargs):
             calls.append((time.perf_counter(), list(prompts), threading.current_thread().name))

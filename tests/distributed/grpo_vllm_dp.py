@@ -19,9 +19,9 @@ from datasets import Dataset
 from hf_verl.rollout.base import SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.rollout.vllm_engine import VLLMEngine
-from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.grpo_trainer import GRPOTrainer
 from tests.conftest import build_char_tokenizer
+from tests.distributed.grpo_vllm import colocate_args, distinct_chars
 from tests.test_vllm_engine import _model
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -37,12 +37,8 @@ def main(out_dir: str) -> None:
     policy = _model(tok).train()
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     # 4 completions per rank x 2 ranks = 2 groups of num_generations=4 per round
-    args = GRPOConfig(output_dir=out_dir, use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
-                      per_device_train_batch_size=4, num_generations=4, max_completion_length=6, max_prompt_length=16,
-                      learning_rate=1e-3, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
-                      temperature=1.2, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=MEM)
-    trainer = GRPOTrainer(model=policy, reward_funcs=lambda completions, **kw: [float(len(set(c))) for c in completions],
-                          args=args, processing_class=tok,
+    args = colocate_args(out_dir, per_device_train_batch_size=4, temperature=1.2, vllm_gpu_memory_utilization=MEM)
+    trainer = GRPOTrainer(model=policy, reward_funcs=distinct_chars, args=args, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": ["abc", "xy", "hello", "ab"] * 2}))
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = trainer.engine
