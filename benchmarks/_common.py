@@ -1,10 +1,22 @@
-"""Helpers shared by the benchmarks: a step timer that skips the warm-up step, RSS readings, a reward."""
+"""Helpers shared by the benchmarks: a step timer that skips the warm-up step, RSS readings, a reward,
+and the tiny Qwen2 policy the trainer benchmarks time."""
 
 import resource
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
+
+
+def tiny_qwen2(tok, **config):
+    """A 2-layer Qwen2 (hidden 128) over `tok`'s vocabulary, seeded; `config` adds Qwen2Config fields."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **config))
 
 
 def count_a(completions, **kwargs):

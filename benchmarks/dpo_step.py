@@ -28,13 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from datasets import Dataset
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import StepTimer, current_rss_mib, peak_rss_mib  # noqa: E402
+from _common import StepTimer, current_rss_mib, peak_rss_mib, tiny_qwen2  # noqa: E402
 from tests.conftest import CHAT_TEMPLATE  # noqa: E402
 
 VOCAB_WORDS = 8192
@@ -80,11 +79,7 @@ def build_trainer(which, steps, out, callbacks):
     else:
         from trl import DPOConfig, DPOTrainer
     tok = build_word_tokenizer()
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2,
-                                         vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                         eos_token_id=tok.eos_token_id, tie_word_embeddings=False))
+    model = tiny_qwen2(tok, tie_word_embeddings=False)
     ref_model = copy.deepcopy(model)  # TRL would reload it from model's path, which a built model has not
     args = DPOConfig(**common(out, steps, which.endswith("padding_free")))
     return DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=build_dataset(), processing_class=tok,

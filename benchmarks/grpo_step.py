@@ -18,13 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from datasets import Dataset
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import StepTimer, count_a, current_rss_mib, peak_rss_mib  # noqa: E402
+from _common import StepTimer, count_a, current_rss_mib, peak_rss_mib, tiny_qwen2  # noqa: E402
 from tests.conftest import build_char_tokenizer  # noqa: E402
 
 
@@ -46,11 +44,7 @@ def child(which, steps):
     else:
         from trl import GRPOConfig, GRPOTrainer
     tok = build_char_tokenizer()
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2,
-                                         vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                         eos_token_id=tok.eos_token_id))
+    model = tiny_qwen2(tok)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     ds = Dataset.from_dict({"prompt": ["reverse abcde", "what is 2+2?", "hello there", "count to 5"] * 64})
