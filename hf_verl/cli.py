@@ -22,7 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output-dir", default="hf_verl_demo", help="Where metrics.jsonl and reward.png go.")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--max-steps", type=int, default=500, help="GRPO steps.")
-    demo.add_argument("--rl-seconds", type=float, default=240.0, help="Stop the RL phase early after this long.")
+    demo.add_argument("--rl-seconds", type=float, default=None,
+                      help="Stop the RL phase early after this long (default: run all --max-steps).")
+    demo.add_argument("--dpo-loss", default="sigmoid,sft",
+                      help="--algo dpo: comma-separated DPO loss types (default sigmoid DPO + NLL on chosen, RPO).")
     demo.add_argument("--learning-rate", type=float, default=5e-4, help="Constant learning rate of the RL phase.")
     demo.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (group size).")
     demo.add_argument("--prompts-per-step", type=int, default=16, help="Unique prompts per GRPO step.")
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run_demo(args.output_dir, algo=args.algo, model_name=args.model, dataset_name=args.dataset,
                           seed=args.seed, rl_seconds=args.rl_seconds, max_steps=args.max_steps,
+                          dpo_loss=tuple(t.strip() for t in args.dpo_loss.split(",") if t.strip()),
                           learning_rate=args.learning_rate, num_generations=args.num_generations,
                           prompts_per_step=args.prompts_per_step,
                           max_completion_length=args.max_completion_length)
