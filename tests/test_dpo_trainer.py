@@ -74,9 +74,9 @@ def _first_loss(tmp_path, tok, **kw):
                          processing_class=tok)
     batch = trainer._collate([trainer.train_dataset[i] for i in range(4)])
     batch = trainer._prepare_inputs(batch)
-    trainer.model.eval()
+    trainer.actor.eval()
     with torch.no_grad():
-        return trainer.compute_loss(trainer.model, batch).item(), trainer._sequence_logps(trainer.model, batch)[0]
+        return trainer.compute_loss(trainer.model, batch).item(), trainer._sequence_logps(trainer.actor, batch)[0]
 
 
 def test_padding_free_equals_padded(tmp_path):
@@ -114,7 +114,10 @@ def test_peft_reference_is_the_base_model(tmp_path):
                          processing_class=tok, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert trainer.ref_model is None
     batch = trainer._prepare_inputs(trainer._collate([trainer.train_dataset[i] for i in range(4)]))
-    base = _model(tok)
+    from hf_verl.engine.accelerate_engine import AccelerateEngine
+
+    base = AccelerateEngine(_model(tok), role="reference", dims=trainer.dims, backend=trainer.backend,
+                            trainable=False)
     with torch.no_grad():
         # LoRA starts as a no-op: the disabled-adapter reference equals the untouched base model
         assert torch.allclose(trainer._reference_logps(batch), trainer._sequence_logps(base, batch)[0], atol=1e-5)

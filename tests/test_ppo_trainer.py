@@ -77,7 +77,8 @@ def test_value_loss_falls_on_a_fixed_batch(tmp_path):
     tok = build_char_tokenizer()
     ds = Dataset.from_dict({"prompt": ["abc", "xyz"] * 4})
     args = _args(tmp_path, max_steps=16, num_ppo_epochs=16, num_mini_batches=1, gradient_accumulation_steps=1,
-                 per_device_train_batch_size=8, critic_warmup_steps=16, cliprange_value=100.0)
+                 per_device_train_batch_size=8, critic_warmup_steps=16, cliprange_value=100.0,
+                 lr_scheduler_type="constant")  # the critic follows the run's schedule (a linear decay by default)
     trainer = PPOTrainer(args=args, processing_class=tok, model=_policy(tok), reward_model=count_a,
                          train_dataset=ds, value_model=_critic(tok))
     policy0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

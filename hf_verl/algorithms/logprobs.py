@@ -9,6 +9,8 @@ is recomputed in backward (activation checkpointing), so peak memory holds one c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -16,13 +18,14 @@ from torch.utils.checkpoint import checkpoint
 
 def _chunk_stats(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    head: Callable[[torch.Tensor], torch.Tensor],
     targets: torch.Tensor,
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias).float()
+    with_mean_logit: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits = head(hidden).float()
+    mean_logit = logits.mean(-1) if with_mean_logit else logits.new_zeros(())
     if temperature != 1.0:
         logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
@@ -31,8 +34,69 @@ def _chunk_stats(
         probs = torch.softmax(logits, dim=-1)
         entropy = logz - (probs * logits).sum(-1)
     else:
-        entropy = torch.zeros_like(logp)
-    return logp, entropy
+        entropy = logp.new_zeros(())
+    return logp, entropy, mean_logit
+
+
+def logprobs_from_head(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    with_mean_logit: bool = False,
+    head_requires_grad: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs of `targets` under ``softmax(head(hidden) / T)``, computed `chunk_size` positions at a time.
+
+    `head` is called on each chunk, so it may be the model's output-embedding *module*: under
+    FSDP2 or ZeRO-3 its weight is only whole inside a module call (or inside the root module's
+    forward window), never readable as a plain tensor outside it.
+
+    Args:
+        hidden (`torch.Tensor` `(..., H)`): final hidden states at the predicting positions.
+        head (`Callable`): maps `(n, H)` hidden states to `(n, V)` logits (the LM head).
+        targets (`torch.Tensor` `(...)`): token ids whose log-prob is wanted.
+        temperature (`float`): logits are divided by it (as during sampling).
+        chunk_size (`int`): positions per chunk.
+        with_entropy (`bool`): also return the entropy of each position's distribution.
+        with_mean_logit (`bool`): also return each position's mean logit over the vocabulary
+            (before the temperature; a DPO metric), without gradient.
+        head_requires_grad (`bool`, *optional*): whether the head has trainable weights (chunks are
+            then recomputed in backward); default: read from `head` when it is an `nn.Module`.
+
+    Returns:
+        `(logp, entropy, mean_logit)` shaped like `targets`, fp32; the last two are `None` unless
+        requested.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}.")
+    shape = targets.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1)
+    if head_requires_grad is None:
+        head_requires_grad = isinstance(head, torch.nn.Module) and any(p.requires_grad for p in head.parameters())
+    use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or head_requires_grad)
+    logps, ents, means = [], [], []
+    for start in range(0, flat_t.numel(), chunk_size):
+        h, t = flat_h[start : start + chunk_size], flat_t[start : start + chunk_size]
+        if use_ckpt:
+            lp, ent, mean = checkpoint(_chunk_stats, h, head, t, temperature, with_entropy, with_mean_logit,
+                                       use_reentrant=False)
+        else:
+            lp, ent, mean = _chunk_stats(h, head, t, temperature, with_entropy, with_mean_logit)
+        logps.append(lp)
+        ents.append(ent)
+        means.append(mean.detach())
+    empty = flat_t.new_zeros(shape, dtype=torch.float32)
+    logp = torch.cat(logps).view(shape) if logps else empty
+    entropy = (torch.cat(ents).view(shape) if ents else empty) if with_entropy else None
+    mean_logit = (torch.cat(means).view(shape) if means else empty) if with_mean_logit else None
+    return logp, entropy, mean_logit
 
 
 def logprobs_from_hidden(
@@ -45,40 +109,17 @@ def logprobs_from_hidden(
     chunk_size: int = 1024,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of `targets` (and optionally entropy) under ``softmax(hidden @ weight.T / T)``.
-
-    Args:
-        hidden (`torch.Tensor` `(..., H)`): final hidden states at the predicting positions.
-        weight (`torch.Tensor` `(V, H)`): output projection (the LM head). bias: its bias, if any.
-        targets (`torch.Tensor` `(...)`): token ids whose log-prob is wanted.
-        temperature (`float`): logits are divided by it (as during sampling).
-        chunk_size (`int`): positions per chunk.
-        with_entropy (`bool`): also return the entropy of each position's distribution.
+    """:func:`logprobs_from_head` for an explicit projection ``hidden @ weight.T + bias`` `(V, H)`.
 
     Returns:
         `(logp, entropy)` shaped like `targets`, fp32; entropy is `None` unless requested.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}.")
-    shape = targets.shape
-    flat_h = hidden.reshape(-1, hidden.shape[-1])
-    flat_t = targets.reshape(-1)
-    use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    logps, ents = [], []
-    for start in range(0, flat_t.numel(), chunk_size):
-        h, t = flat_h[start : start + chunk_size], flat_t[start : start + chunk_size]
-        if use_ckpt:
-            lp, ent = checkpoint(
-                _chunk_stats, h, weight, bias, t, temperature, with_entropy, use_reentrant=False
-            )
-        else:
-            lp, ent = _chunk_stats(h, weight, bias, t, temperature, with_entropy)
-        logps.append(lp)
-        ents.append(ent)
-    logp = torch.cat(logps).view(shape) if logps else flat_t.new_zeros(shape, dtype=torch.float32)
-    entropy = (torch.cat(ents).view(shape) if ents else torch.zeros_like(logp)) if with_entropy else None
+    def head(h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, weight, bias)
+
+    trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
+    logp, entropy, _ = logprobs_from_head(hidden, head, targets, temperature=temperature, chunk_size=chunk_size,
+                                          with_entropy=with_entropy, head_requires_grad=trainable)
     return logp, entropy
 
 

@@ -141,9 +141,16 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+        row_seeds: Sequence[int] | None = None,
     ) -> GenerationOutput:
-        """Generate one completion per prompt (prompts are token id lists, no padding)."""
+        """Generate one completion per prompt (prompts are token id lists, no padding).
+
+        `row_seeds`, when given, holds one seed per prompt: each completion is then sampled from its
+        own random stream, so a row's completion does not depend on which other rows share its call
+        (the same global batch gives the same rollouts on one process or split over several). An
+        engine that cannot honour it raises `NotImplementedError`.
+        """
 
     @abc.abstractmethod
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

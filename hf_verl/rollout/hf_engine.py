@@ -72,13 +72,16 @@ class TransformersEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams
+        self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+        row_seeds: Sequence[int] | None = None,
     ) -> GenerationOutput:
         """Generate one completion per prompt.
 
         Args:
             prompt_ids (`Sequence[Sequence[int]]`): prompt token ids, one list per prompt, unpadded.
             sampling ([`SamplingParams`]): how to sample.
+            row_seeds (`Sequence[int]`, *optional*): one seed per prompt (see
+                :meth:`RolloutEngine.generate`); the lean decode loop only (no stop strings).
 
         Returns:
             [`GenerationOutput`]: completions (EOS kept, padding dropped), per-token log-probs,
@@ -92,6 +95,13 @@ class TransformersEngine(RolloutEngine):
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(self._device()).manual_seed(sampling.seed)
+        if row_seeds is not None:
+            if len(row_seeds) != len(prompts):
+                raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts.")
+            if self.use_generate or sampling.stop:
+                raise NotImplementedError("per-row seeds need the lean decode loop: no stop strings, "
+                                          "use_generate=False.")
+            generator = [torch.Generator(self._device()).manual_seed(int(s)) for s in row_seeds]
         step = self.batch_size or max(len(prompts), 1)
         completions: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -101,7 +111,8 @@ class TransformersEngine(RolloutEngine):
         try:
             with torch.no_grad():
                 for start in range(0, len(prompts), step):
-                    ids, lps, rs = self._generate_chunk(prompts[start : start + step], sampling, generator)
+                    chunk_gen = generator[start : start + step] if isinstance(generator, list) else generator
+                    ids, lps, rs = self._generate_chunk(prompts[start : start + step], sampling, chunk_gen)
                     completions += ids
                     logprobs += lps
                     reasons += rs
@@ -297,27 +308,22 @@ class TransformersEngine(RolloutEngine):
             ValueError: if a name is not a parameter or buffer of the model, or a shape differs.
         """
         targets = self.model.state_dict(keep_vars=True)
-        pairs = list(named_tensors)
-        unknown = [name for name, _ in pairs if name not in targets]
-        if unknown:
-            raise ValueError(
-                f"sync_weights got {len(unknown)} unknown parameter name(s): {unknown[:10]}"
-                + (" ..." if len(unknown) > 10 else "")
-            )
-        for name, tensor in pairs:
-            if tuple(targets[name].shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"sync_weights: shape mismatch for {name!r}: model has "
-                    f"{tuple(targets[name].shape)}, got {tuple(tensor.shape)}."
-                )
-        copied = 0
+        copied = seen = 0
         with torch.no_grad():
-            for name, tensor in pairs:
-                target = targets[name]
+            # streamed: a sharded actor sends one bucket at a time, so nothing here holds a second copy
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    raise ValueError(f"sync_weights got an unknown parameter name {name!r} (after {seen} known "
+                                     "ones, which were copied; the weight version is unchanged).")
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"sync_weights: shape mismatch for {name!r}: model has {tuple(target.shape)}, "
+                                     f"got {tuple(tensor.shape)} (the weight version is unchanged).")
+                seen += 1
                 if target.data_ptr() == tensor.data_ptr() and target.device == tensor.device:
                     continue
                 target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
                 copied += 1
         self._bump_version()
         logger.debug("sync_weights: copied %d of %d tensors; weight_version=%d",
-                     copied, len(pairs), self.weight_version)
+                     copied, seen, self.weight_version)

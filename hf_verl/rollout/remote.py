@@ -132,7 +132,11 @@ class RemoteEngine(RolloutEngine):
         return int(self._request("GET", "/v1/weights/version")["weight_version"])
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                 row_seeds: Sequence[int] | None = None) -> GenerationOutput:
+        if row_seeds is not None:
+            raise NotImplementedError("a remote engine batches rows into requests and cannot seed each row; "
+                                      "turn per-row sampling seeds off for server mode.")
         parts = sorted(self.generate_stream(prompt_ids, sampling), key=lambda part: part[0])
         return GenerationOutput.concat([out for _, out in parts])
 

@@ -123,7 +123,7 @@ def filter_min_p(logits: torch.Tensor, min_p: float | None) -> torch.Tensor:
 def sample_next(
     logits: torch.Tensor,
     sampling: SamplingParams,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     *,
     prev_ids: torch.Tensor | None = None,
     prev_mask: torch.Tensor | None = None,
@@ -136,8 +136,8 @@ def sample_next(
     Args:
         logits (`torch.Tensor` of shape `(batch, vocab)`): raw next-token logits.
         sampling ([`SamplingParams`]): how to sample.
-        generator (`torch.Generator`, *optional*): random source for the draw; `None` uses torch's
-            global generator.
+        generator (`torch.Generator` or a list of them, *optional*): random source for the draw;
+            `None` uses torch's global generator; a list holds one generator per row.
         prev_ids (`torch.LongTensor` of shape `(batch, length)`, *optional*): prompt and
             completion so far, needed when `sampling.repetition_penalty != 1`.
         prev_mask (`torch.Tensor` of shape `(batch, length)`, *optional*): 1 for real tokens of
@@ -166,5 +166,8 @@ def sample_next(
         scores = filter_top_p(scores, sampling.top_p)
         scores = filter_min_p(scores, sampling.min_p)
         probs = torch.softmax(scores, dim=-1)
-        next_ids = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+        if isinstance(generator, (list, tuple)):  # one generator per row: a row's draw ignores its batch
+            next_ids = torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generator)])
+        else:
+            next_ids = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
     return next_ids, raw_lps.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)

@@ -77,7 +77,8 @@ class VLLMEngine(RolloutEngine):
         engine._tmpdir = tmp
         return engine
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                 row_seeds: Sequence[int] | None = None) -> GenerationOutput:
         from vllm import SamplingParams as VLLMSampling
         from vllm.inputs import TokensPrompt
 
@@ -90,6 +91,12 @@ class VLLMEngine(RolloutEngine):
             repetition_penalty=sampling.repetition_penalty, stop=list(sampling.stop) or None, seed=sampling.seed,
             logprobs=0,
         )
+        if row_seeds is not None:  # vLLM seeds per request: one set of params per row
+            if len(row_seeds) != len(prompts):
+                raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts)} prompts.")
+            params = [params.clone() for _ in prompts]
+            for p, seed in zip(params, row_seeds):
+                p.seed = int(seed)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         ids, lps, reasons = [], [], []
         for out in outs:

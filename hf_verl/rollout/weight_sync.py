@@ -18,7 +18,10 @@ copy of the model. Names are exactly those of the *plain* transformers model's `
   active adapter yielded under the original name). The model is never modified;
 - FSDP2 (parameters are ``torch.distributed.tensor.DTensor``): each tensor is gathered with
   ``.full_tensor()`` on its own, right before it joins a bucket. This is a collective: every rank
-  must iterate, in the same order (the order is ``state_dict()``'s, identical on all ranks).
+  must iterate, in the same order (the order is ``state_dict()``'s, identical on all ranks);
+- DeepSpeed ZeRO-3 (partitioned parameters carry a ``ds_id``): each parameter is gathered on its
+  own and copied out, under the same every-rank-iterates rule. Either way at most one bucket of
+  whole tensors (plus the one being gathered) exists at a time.
 
 Tied weights: the names and their multiplicity are whatever ``state_dict()`` of the plain model
 returns (in transformers 5 a tied ``lm_head.weight`` is listed next to ``embed_tokens.weight``,
@@ -71,10 +74,24 @@ def _peft_base(model: nn.Module) -> nn.Module | None:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """Gather a DTensor (FSDP2 shard) into a full tensor; plain tensors pass through."""
+    """Gather a DTensor (FSDP2 shard) or a ZeRO-3 partition into a full tensor; plain tensors pass
+    through. A collective for sharded tensors."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    if hasattr(tensor, "ds_id"):
+        from hf_verl.parallel.deepspeed import full_tensor
+
+        return full_tensor(tensor)
+    return tensor
+
+
+def plain_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.state_dict()``'s items with every sharded tensor gathered whole, one at a time (a
+    collective on sharded layouts). Keys are the model's own (PEFT adapter keys included)."""
+    for name, tensor in unwrap_model(model).state_dict(keep_vars=True).items():
+        yield name, _full(tensor).detach()
 
 
 def _active_adapters(module: nn.Module) -> list[str]:
@@ -106,6 +123,17 @@ def _merged(layer: nn.Module, param: str, base: torch.Tensor) -> torch.Tensor:
     return _full(weight)
 
 
+def _merged_whole(layer: nn.Module, param: str, base: torch.Tensor) -> torch.Tensor:
+    """:func:`_merged` with a ZeRO-3 layer's partitioned weights (base and adapters) gathered first."""
+    params = list(layer.parameters())
+    if not any(hasattr(p, "ds_id") for p in params):
+        return _merged(layer, param, base)
+    from hf_verl.parallel.deepspeed import gathered
+
+    with gathered(params):
+        return _merged(layer, param, base.data).clone()
+
+
 def _weight_sources(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]]:
     """Yield ``(hf_name, reference_tensor, materialise)`` in ``state_dict()`` order.
 
@@ -115,10 +143,10 @@ def _weight_sources(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Calla
     model = unwrap_model(model)
     base = _peft_base(model)
     if base is None:
-        for name, tensor in model.state_dict().items():
+        for name, tensor in model.state_dict(keep_vars=True).items():
             yield name, tensor, lambda t=tensor: _full(t)
         return
-    for key, tensor in base.state_dict().items():
+    for key, tensor in base.state_dict(keep_vars=True).items():
         if _LORA_PART.search(key) or ".original_module." in key:
             continue  # adapter weights, and the frozen copy a `modules_to_save` wrapper keeps
         save = _MODULES_TO_SAVE.search(key)
@@ -137,11 +165,12 @@ def _weight_sources(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Calla
             yield name, tensor, lambda t=tensor: _full(t)
             continue
         layer = base.get_submodule(prefix)
-        yield name, tensor, lambda l=layer, p=param, t=tensor: _merged(l, p, t)
+        yield name, tensor, lambda l=layer, p=param, t=tensor: _merged_whole(l, p, t)
 
 
 def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
-    return tensor.numel() * (dtype or tensor.dtype).itemsize
+    numel = getattr(tensor, "ds_numel", None) or tensor.numel()  # a ZeRO-3 placeholder is empty
+    return numel * (dtype or tensor.dtype).itemsize
 
 
 def bucket_plan(

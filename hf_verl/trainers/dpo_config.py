@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from hf_verl.trainers.parallel_args import ParallelArguments
+
 from hf_verl.algorithms.dpo_losses import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
 from hf_verl.data.preference import TRUNCATION_MODES
 
@@ -26,7 +28,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class DPOConfig(TrainingArguments):
+class DPOConfig(TrainingArguments, ParallelArguments):
     """Configuration of :class:`~hf_verl.DPOTrainer` (a `transformers.TrainingArguments`); see the module docstring."""
 
     learning_rate: float = field(default=1e-6, metadata=_help("AdamW learning rate (TRL's default)."))
@@ -65,6 +67,7 @@ class DPOConfig(TrainingArguments):
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
         super().__post_init__()
+        self._take_over_deepspeed()
         self._validate()
 
     def _validate(self) -> None:

@@ -21,11 +21,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
 
 from hf_verl.algorithms.dpo_losses import combined_dpo_loss, implicit_rewards, reward_metrics
-from hf_verl.algorithms.logprobs import logprobs_from_hidden
 from hf_verl.data.preference import TokenizedPair, check_preference_columns, collate_pairs, tokenize_pair
 from hf_verl.data.prompts import ensure_pad_token
+from hf_verl.engine.base import TrainingEngine
+from hf_verl.parallel import comm
+from hf_verl.pipeline.prefetch import frozen_copy
 from hf_verl.trainers.dpo_config import DPOConfig
-from hf_verl.trainers.on_policy import frozen_copy
+from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +73,15 @@ class SyncRefModelCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.ref_model_sync_steps == 0:
-            policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
-            with torch.no_grad():
-                for p_ref, p in zip(self.trainer.ref_model.parameters(), policy.parameters()):
+            policy = self.trainer.actor.model
+            with torch.no_grad():  # same layout on both (replicas, or FSDP2 shards of one mesh): mix locally
+                for p_ref, p in zip(self.trainer.reference.model.parameters(), policy.parameters()):
                     p_ref.mul_(1 - args.ref_model_mixup_alpha).add_(p.detach().to(p_ref.dtype),
                                                                     alpha=args.ref_model_mixup_alpha)
         return control
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(EngineTrainerMixin, Trainer):
     """Train a causal LM on preference pairs with DPO and its variants (TRL's arguments).
 
     Args:
@@ -132,6 +134,11 @@ class DPOTrainer(Trainer):
         elif ref_model is not None:
             ref_model = ref_model.eval().requires_grad_(False)
         self.ref_model = ref_model
+        backend, dims = launch_layout(args.world_size)
+        if args.sync_ref_model and backend.kind == "deepspeed" and backend.zero_stage == 3:
+            raise ValueError("sync_ref_model (TR-DPO) mixes policy weights into the reference, which ZeRO-3 keeps "
+                             "partitioned in separate engines: use ZeRO-1/2, DDP or FSDP2, or sync_ref_model=False.")
+        self._ref_digest = _weights_digest(ref_model if ref_model is not None else model)
         self.tokenizer_ = processing_class
         self._data_stats: dict[str, float] = {}
         train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
@@ -142,6 +149,9 @@ class DPOTrainer(Trainer):
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
+        self._init_engines(backend, dims)
+        self.reference = None if self.ref_model is None else self._make_engine(self.ref_model, "reference",
+                                                                               trainable=False)
         self.model_accepts_loss_kwargs = False
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         if args.precompute_ref_log_probs:
@@ -214,57 +224,50 @@ class DPOTrainer(Trainer):
         return batch
 
     # ------------------------------------------------------------------ log-probs
-    def _sequence_logps(self, model, batch: dict):
+    def _sequence_logps(self, engine: TrainingEngine, batch: dict):
         """Summed completion log-probs, mean completion logits and token counts per sequence `(2B,)`."""
         ids = batch["input_ids"]
-        kwargs = dict(output_hidden_states=True, logits_to_keep=1, use_cache=False)
-        if "position_ids" in batch:  # padding-free: packed sequences, positions restart per sequence
-            out = model(input_ids=ids, position_ids=batch["position_ids"], **kwargs)
-        else:
-            out = model(input_ids=ids, attention_mask=batch["attention_mask"], **kwargs)
-        hidden = out.hidden_states[-1][:, :-1]
-        labels = ids[:, 1:]
-        mask = batch["completion_mask"][:, 1:].bool()
+        select = torch.zeros_like(ids, dtype=torch.bool)
+        select[:, :-1] = batch["completion_mask"][:, 1:].bool()
         if "seq_index" in batch:  # packed: a position predicting the next sequence's first token is not ours
             index = batch["seq_index"]
-            mask = mask & (index[:, 1:] == index[:, :-1])
-            n, seq_of = batch["num_sequences"], index[:, :-1]
+            select[:, :-1] &= index[:, 1:] == index[:, :-1]
+            n, seq_of = batch["num_sequences"], index
         else:
             n = ids.shape[0]
-            seq_of = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(mask)
+            seq_of = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)
+        targets = torch.zeros_like(ids)
+        targets[:, :-1] = ids[:, 1:]
+        packed = "position_ids" in batch  # padding-free: positions restart per sequence, no attention mask
         # only completion positions go through the LM head (prompt and padding are never scored)
-        h, y, owner = hidden[mask].unsqueeze(0), labels[mask].unsqueeze(0), seq_of[mask]
-        head = self.accelerator.unwrap_model(model).get_output_embeddings()
-        token_lp = logprobs_from_hidden(h, head.weight, y, bias=head.bias, temperature=1.0,
-                                        chunk_size=self.args.logprob_chunk_size)[0].squeeze(0)
-        with torch.no_grad():  # mean over the vocabulary of the logits = h . mean(W) (+ mean(b))
-            mean_logit = h.detach().squeeze(0) @ head.weight.detach().mean(0).to(h.dtype)
-            if head.bias is not None:
-                mean_logit = mean_logit + head.bias.detach().mean()
+        stats = engine.token_logprobs(
+            ids, targets, select, attention_mask=None if packed else batch["attention_mask"],
+            position_ids=batch["position_ids"] if packed else None, temperature=1.0,
+            chunk_size=self.args.logprob_chunk_size, with_mean_logit=True)
+        owner = seq_of[select]
 
         def segsum(x):
             return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, owner, x)
 
-        logps = segsum(token_lp)
-        counts = segsum(torch.ones_like(token_lp))
-        logits = segsum(mean_logit.float()) / counts.float().clamp(min=1)
+        logps = segsum(stats.logp)
+        counts = segsum(torch.ones_like(stats.logp))
+        logits = segsum(stats.mean_logit.float()) / counts.float().clamp(min=1)
         return logps, logits, counts
 
     @torch.no_grad()
     def _reference_logps(self, batch: dict) -> torch.Tensor:
-        if self.ref_model is not None:
-            return self._sequence_logps(self.ref_model, batch)[0]
-        with self.accelerator.unwrap_model(self.model).disable_adapter():
-            return self._sequence_logps(self.model, batch)[0]
+        if self.reference is not None:
+            return self._sequence_logps(self.reference, batch)[0]
+        with self.actor.adapters_disabled():
+            return self._sequence_logps(self.actor, batch)[0]
 
     def _with_reference_logps(self, dataset, name: str):
         """Add `ref_chosen_logps` / `ref_rejected_logps` columns, from the on-disk cache when present."""
         from safetensors.torch import load_file, save_file
         from tqdm.auto import tqdm
 
-        ref = self.ref_model if self.ref_model is not None else self.accelerator.unwrap_model(self.model)
         key = hashlib.sha256("|".join(map(str, [
-            getattr(dataset, "_fingerprint", None), _weights_digest(ref), self.ref_model is None,
+            getattr(dataset, "_fingerprint", None), self._ref_digest, self.ref_model is None,
             self.args.max_length, self.args.truncation_mode])).encode()).hexdigest()[:24]
         cache_dir = os.path.join(os.environ.get("HF_VERL_CACHE", os.path.expanduser("~/.cache/hf_verl")), "ref_logps")
         path = os.path.join(cache_dir, f"{key}.safetensors")
@@ -297,8 +300,8 @@ class DPOTrainer(Trainer):
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs: dict, return_outputs=False, num_items_in_batch=None):
         args = self.args
-        mode = "train" if self.model.training else "eval"
-        logps, logits, counts = self._sequence_logps(model, inputs)
+        mode = "train" if self.actor.module.training else "eval"
+        logps, logits, counts = self._sequence_logps(self.actor, inputs)
         if REF_COLUMNS[0] in inputs:
             ref_c, ref_r = inputs[REF_COLUMNS[0]].to(logps.dtype), inputs[REF_COLUMNS[1]].to(logps.dtype)
         else:
@@ -328,6 +331,16 @@ class DPOTrainer(Trainer):
             return loss, {"chosen_rewards": rc, "rejected_rewards": rr}
         return loss
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch: the DPO loss, backward through the actor's engine (DDP, FSDP2 or ZeRO)."""
+        self.actor.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(self._engine_module, inputs)
+        loss = loss / self.current_gradient_accumulation_steps
+        self.actor.backward(loss)
+        return loss.detach()
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
@@ -342,12 +355,13 @@ class DPOTrainer(Trainer):
         metrics = self._metrics[mode]
         keys = sorted(k for k, v in metrics.items() if v)
         values = torch.tensor([sum(metrics[k]) / len(metrics[k]) for k in keys], dtype=torch.float64)
-        if self.accelerator.num_processes > 1 and keys:
-            values = self.accelerator.reduce(values.to(self.accelerator.device), reduction="mean").cpu()
+        if keys:
+            values = comm.reduce(self.dims, values, "mean")
         prefix = "eval_" if mode == "eval" else ""
         logs.update({prefix + k: v for k, v in zip(keys, values.tolist())})
         if mode == "train" and self._data_stats:
             logs.update(self._data_stats)
             self._data_stats = {}
         metrics.clear()
+        self._engine_grad_norm(logs)
         super().log(logs, start_time)

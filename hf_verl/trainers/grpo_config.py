@@ -15,9 +15,12 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from hf_verl.trainers.parallel_args import ParallelArguments
+
 from hf_verl.algorithms.advantages import SCALE_REWARDS
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
+from hf_verl.trainers.rollout_args import RolloutArguments
 from hf_verl.trainers.vllm_args import VLLMArguments
 
 
@@ -26,7 +29,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class GRPOConfig(TrainingArguments, VLLMArguments):
+class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArguments):
     """Configuration of :class:`~hf_verl.GRPOTrainer` (a `transformers.TrainingArguments`).
 
     Generation: `num_generations` completions per prompt, of at most `max_completion_length`
@@ -68,10 +71,6 @@ class GRPOConfig(TrainingArguments, VLLMArguments):
     advantage_estimator: str = field(default="grpo", metadata=_help(
         "Critic-free estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."))
     mask_truncated_completions: bool = field(default=False, metadata=_help("Exclude completions that hit max_completion_length from the loss."))
-    use_async_rollout: bool = field(default=False, metadata=_help(
-        "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
-    max_staleness: int = field(default=1, metadata=_help("Most weight versions a rollout may lag behind (>= 1)."))
-    logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
     log_completions: bool = field(default=False, metadata=_help("Log a sample of completions."))
 
     def __post_init__(self) -> None:
@@ -80,6 +79,7 @@ class GRPOConfig(TrainingArguments, VLLMArguments):
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
         super().__post_init__()
+        self._take_over_deepspeed()
         self._validate()
 
     def _validate(self) -> None:
@@ -106,10 +106,8 @@ class GRPOConfig(TrainingArguments, VLLMArguments):
             raise ValueError("epsilon and epsilon_high must be > 0.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
-        if self.max_staleness < 1:
-            raise ValueError(f"max_staleness must be >= 1 (got {self.max_staleness}); for strictly on-policy "
-                             "rollout set use_async_rollout=False.")
         self._validate_vllm()
+        self._validate_rollout()
         self._resolve_generation_batch()
 
     def _resolve_generation_batch(self) -> None:

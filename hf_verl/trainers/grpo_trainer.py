@@ -16,10 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_verl.algorithms.advantages import grpo_advantages
-from hf_verl.algorithms.importance import importance_weights
-from hf_verl.algorithms.kl import kl_penalty
-from hf_verl.algorithms.policy_loss import aggregate_loss, masked_mean, ppo_clip_loss
 from hf_verl.data.batch import RolloutBatch
+from hf_verl.parallel import comm
+from hf_verl.pipeline import losses, phases
 from hf_verl.rewards.callables import combine_rewards
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.on_policy import OnPolicyTrainer
@@ -69,26 +68,26 @@ class GRPOTrainer(OnPolicyTrainer):
 
     # ------------------------------------------------------------------ round
     def _finish_round(self, batch: RolloutBatch, rows, rewards_per_func, timings) -> list[RolloutBatch]:
-        args, acc = self.args, self.accelerator
+        args, dims = self.args, self.dims
         if args.mask_truncated_completions:
             batch.completion_mask = batch.completion_mask * (~batch.is_truncated).long().unsqueeze(1)
         local = combine_rewards(rewards_per_func, args.reward_weights)
-        all_rewards = acc.gather(local)  # group normalisation over the global round
+        all_rewards = comm.gather_rows(dims, local)  # group normalisation over the global round
         advantages, group_std = grpo_advantages(all_rewards, args.num_generations, args.scale_rewards)
-        n, rank = local.shape[0], acc.process_index
         batch.rewards = local
         if args.advantage_estimator == "grpo":
-            batch.advantages = advantages[rank * n : (rank + 1) * n]
+            batch.advantages = comm.local_rows(dims, advantages, local.shape[0])
         else:  # another critic-free estimator, token-level (B, C)
             greedy = self._greedy_baseline_scores(batch, rows) if args.advantage_estimator == "remax" else None
-            batch.advantages = self._global_advantages(local, batch.completion_mask, greedy)
+            batch.advantages, _ = phases.advantages(
+                dims, args.advantage_estimator, scores=local, mask=batch.completion_mask,
+                num_generations=args.num_generations, greedy_scores=greedy, scale_rewards=args.scale_rewards)
         batch.validate()
         # dapo: token mean over the round; each micro-batch loss is later divided by grad accumulation
-        normalizer = self._global_tokens(batch) / (args.steps_per_generation * args.world_size)
+        normalizer = phases.global_token_count(dims, batch.completion_mask) / (args.steps_per_generation * dims.dp_size)
         micro = self._split_round(batch)
         t_ref = time.perf_counter()
         off_policy = args.use_vllm or args.use_async_rollout  # sampled by another engine or older weights
-        correct = off_policy and args.vllm_importance_sampling_correction
         for mb in micro:
             mb.meta["loss_normalizer"] = normalizer
             if args.beta > 0:
@@ -96,15 +95,13 @@ class GRPOTrainer(OnPolicyTrainer):
             if self._policy_moves_within_round() or off_policy:
                 mb.old_logprobs = self._old_logprobs(mb)
             if off_policy:  # behaviour/trainer mismatch, logged always, corrected when asked
-                weights, stats = importance_weights(
-                    mb.old_logprobs, mb.sampling_logprobs, mb.completion_mask, args.vllm_importance_sampling_mode,
-                    args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+                stats = phases.attach_importance_weights(
+                    mb, mode=args.vllm_importance_sampling_mode, clip_min=args.vllm_importance_sampling_clip_min,
+                    clip_max=args.vllm_importance_sampling_clip_max, correct=args.vllm_importance_sampling_correction)
                 for k, v in stats.items():
                     self._metrics[k].append(v)
-                if correct:
-                    mb.meta["is_weights"] = weights
         timings["reference"] = time.perf_counter() - t_ref
-        self._log_rewards(acc.gather(rewards_per_func), all_rewards, group_std)
+        self._log_rewards(comm.gather_rows(dims, rewards_per_func), all_rewards, group_std)
         self._log_common(batch, timings)
         return micro
 
@@ -120,22 +117,16 @@ class GRPOTrainer(OnPolicyTrainer):
             m[f"rewards/{name}/std"].append(col[~col.isnan()].std().item() if (~col.isnan()).sum() > 1 else 0.0)
 
     # ------------------------------------------------------------------ loss
-    def compute_loss(self, model, inputs: RolloutBatch, return_outputs=False, num_items_in_batch=None):
-        batch, args = inputs, self.args
-        logp, entropy = self._token_logprobs(model, batch, with_entropy=True)
-        old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
-        per_token, clip = ppo_clip_loss(logp, old, batch.advantages, batch.completion_mask,
-                                        args.epsilon, args.epsilon_high, args.dual_clip)
-        mask = batch.completion_mask
-        if "is_weights" in batch.meta:  # truncated / masked importance sampling against the engine
-            per_token = per_token * batch.meta["is_weights"]
+    def _micro_batch_losses(self, batch: RolloutBatch) -> list[tuple]:
+        args, m = self.args, self._metrics
+        logp, entropy = self._token_logprobs(batch, with_entropy=True)
+        loss, stats = losses.policy_loss(
+            logp, batch, clip_low=args.epsilon, clip_high=args.epsilon_high, dual_clip=args.dual_clip,
+            loss_type=args.loss_type, normalizer=batch.meta.get("loss_normalizer"),
+            max_completion_length=args.max_completion_length, kl_coef=args.beta, kl_estimator="k3", entropy=entropy)
         if args.beta > 0:
-            kl = kl_penalty(logp, batch.ref_logprobs, "k3")
-            per_token = per_token + args.beta * kl
-            self._metrics["kl"].append(masked_mean(kl, mask).item())
-        loss = aggregate_loss(per_token, mask, args.loss_type, max_completion_length=args.max_completion_length,
-                              normalizer=batch.meta.get("loss_normalizer", mask.sum().item()))
-        self._metrics["entropy"].append(masked_mean(entropy.detach(), mask).item())
-        for key, name in (("low_clip", "low"), ("high_clip", "high"), ("region_clip", "region")):
-            self._metrics[f"clip_ratio/{name}_mean"].append(masked_mean(clip[key], mask).item())
-        return loss
+            m["kl"].append(stats["kl"].item())
+        m["entropy"].append(stats["entropy"].item())
+        for name in ("low", "high", "region"):
+            m[f"clip_ratio/{name}_mean"].append(stats[f"clip_{name}"].item())
+        return [(self.actor, loss)]

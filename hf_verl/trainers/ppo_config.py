@@ -23,7 +23,10 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from hf_verl.trainers.parallel_args import ParallelArguments
+
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from hf_verl.trainers.rollout_args import RolloutArguments
 from hf_verl.trainers.vllm_args import VLLMArguments
 
 logger = logging.getLogger(__name__)
@@ -37,7 +40,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class PPOConfig(TrainingArguments, VLLMArguments):
+class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArguments):
     """Configuration of :class:`~hf_verl.PPOTrainer` (a `transformers.TrainingArguments`).
 
     TRL's fields keep their names and defaults: `num_ppo_epochs=4`, `num_mini_batches=1`,
@@ -91,10 +94,6 @@ class PPOConfig(TrainingArguments, VLLMArguments):
     max_prompt_length: int | None = field(default=512, metadata=_help("Left-truncate prompts to this many tokens."))
     reward_weights: list[float] | None = field(default=None, metadata=_help("Weights of reward functions."))
     shuffle_dataset: bool = field(default=True, metadata=_help("Shuffle the prompt dataset."))
-    use_async_rollout: bool = field(default=False, metadata=_help(
-        "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
-    max_staleness: int = field(default=1, metadata=_help("Most weight versions a rollout may lag behind (>= 1)."))
-    logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
     rollout_accumulation_steps: int | None = field(
         default=None, metadata=_help("Set by __post_init__: the gradient_accumulation_steps given (rollout size).")
     )
@@ -103,6 +102,7 @@ class PPOConfig(TrainingArguments, VLLMArguments):
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         super().__post_init__()
+        self._take_over_deepspeed()
         self._validate()
         if self.rollout_accumulation_steps is None:  # first resolution (not a reload of a resolved config)
             if self.gradient_accumulation_steps % self.num_mini_batches:
@@ -164,14 +164,13 @@ class PPOConfig(TrainingArguments, VLLMArguments):
             (self.temperature > 0, f"temperature must be > 0 for PPO sampling, got {self.temperature}."),
             (self.stop_token in (None, "eos"), f"stop_token must be 'eos' or None, got {self.stop_token!r}."),
             (not (self.stop_token and self.stop_token_id is not None), "set stop_token or stop_token_id, not both."),
-            (self.max_staleness >= 1, f"max_staleness must be >= 1 (got {self.max_staleness}); for strictly "
-             "on-policy rollout set use_async_rollout=False."),
             (self.critic_warmup_steps >= 0, f"critic_warmup_steps must be >= 0, got {self.critic_warmup_steps}."),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         self._validate_vllm()
+        self._validate_rollout()
         group = self.advantage_estimator in ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline")
         if group and self.num_generations < 2:
             raise ValueError(

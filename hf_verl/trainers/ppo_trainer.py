@@ -25,19 +25,20 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_verl.algorithms.estimators import (
-    AdaptiveKLController,
-    FixedKLController,
-    compute_advantages,
-    masked_whiten,
-    token_level_rewards,
-)
-from hf_verl.algorithms.importance import importance_weights
+from hf_verl.algorithms.estimators import AdaptiveKLController, FixedKLController, token_level_rewards
 from hf_verl.algorithms.kl import kl_penalty
-from hf_verl.algorithms.policy_loss import masked_mean, ppo_clip_loss
+from hf_verl.algorithms.policy_loss import masked_mean
 from hf_verl.data.batch import RolloutBatch
+from hf_verl.parallel import comm
+from hf_verl.pipeline import losses, phases
 from hf_verl.rewards.callables import combine_rewards
-from hf_verl.trainers.critic import Critic, CriticStepCallback, load_value_model
+from hf_verl.trainers.critic import (
+    CriticStepCallback,
+    attach_critic_optimizer,
+    load_critic,
+    load_value_model,
+    save_critic,
+)
 from hf_verl.trainers.on_policy import OnPolicyTrainer
 from hf_verl.trainers.ppo_config import PPOConfig
 
@@ -103,7 +104,6 @@ class PPOTrainer(OnPolicyTrainer):
         self.kl_ctl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon)
                        if args.kl_controller == "adaptive" else FixedKLController(args.kl_coef))
         need_ref = args.kl_coef > 0 or args.kl_controller == "adaptive"
-        self.critic = None
         if value_model is not None:
             value_model = load_value_model(value_model)
             if value_model.config.vocab_size != model.config.vocab_size:
@@ -112,17 +112,19 @@ class PPOTrainer(OnPolicyTrainer):
                     f"({model.config.vocab_size}): the critic reads the policy's token ids; use a critic "
                     "built on the policy's tokenizer."
                 )
-            self.critic = Critic(value_model, learning_rate=args.critic_learning_rate or args.learning_rate,
-                                 weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                                 adam_betas=(args.adam_beta1, args.adam_beta2), adam_epsilon=args.adam_epsilon)
         super().__init__(model=model, args=args, reward_funcs=reward_model,
                          reward_processing_classes=reward_processing_classes, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, ref_model=ref_model, need_reference=need_ref,
                          is_peft=peft_config is not None)
-        if self.critic is not None:
-            self.critic.to(self.accelerator.device)
-            self.add_callback(CriticStepCallback(self.critic, args.world_size))
+        self.critic = None
+        if value_model is not None:
+            if self.backend.kind == "deepspeed" and args.critic_warmup_steps:
+                raise ValueError("critic_warmup_steps > 0 is not supported with DeepSpeed (the frozen policy would "
+                                 "miss its accumulation steps): set critic_warmup_steps=0 or use DDP / FSDP2.")
+            self.critic = self._make_engine(value_model.to(self.args.device), "critic", trainable=True,
+                                            pad_token_id=processing_class.pad_token_id)
+            self.add_callback(CriticStepCallback(self.critic, args.max_grad_norm))
         self._configure_stop(args, processing_class)
         self._episodes = 0
         self._sample_every = None
@@ -150,26 +152,29 @@ class PPOTrainer(OnPolicyTrainer):
     def _max_new_tokens(self) -> int:
         return self.args.response_length
 
-    # ------------------------------------------------------------------ optimizers
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        super().create_optimizer_and_scheduler(num_training_steps)
-        if self.critic is not None and self.critic.scheduler is None:
-            self.critic.make_scheduler(self.args.lr_scheduler_type, num_training_steps,
-                                       self.args.get_warmup_steps(num_training_steps))
+    # ------------------------------------------------------------------ optimizers and checkpoints
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if self.critic is not None and self.critic.optimizer is None:
+            attach_critic_optimizer(self.critic, self.args, num_training_steps)
+        return scheduler
+
+    def _trained_engines(self) -> list:
+        return [self.actor] + ([self.critic] if self.critic is not None else [])
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.critic is not None:
-            self.critic.load(checkpoint)
+            load_critic(self.critic, checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
-        if self.critic is not None and self.args.should_save:
-            self.critic.save(output_dir or self.args.output_dir, with_optimizer=_internal_call)
+        if self.critic is not None:
+            save_critic(self.critic, output_dir or self.args.output_dir, with_optimizer=_internal_call)
 
     # ------------------------------------------------------------------ round
     def _finish_round(self, batch: RolloutBatch, rows, rewards_per_func, timings) -> list[RolloutBatch]:
-        args = self.args
+        args, dims = self.args, self.dims
         mask = batch.completion_mask
         scores = combine_rewards(rewards_per_func, args.reward_weights).float()
         eos = self.processing_class.eos_token_id
@@ -179,16 +184,13 @@ class PPOTrainer(OnPolicyTrainer):
         batch.rewards = scores
 
         t0 = time.perf_counter()
-        size = args.local_rollout_forward_batch_size
-        with torch.no_grad():
-            batch.old_logprobs = torch.cat([self._token_logprobs(self.model, batch.select(slice(i, i + size)))[0]
-                                            for i in range(0, batch.batch_size, size)])
-            if args.kl_coef > 0 or args.kl_controller == "adaptive":
-                batch.ref_logprobs = self._reference_logprobs(batch)
-            t1 = time.perf_counter()
-            if self.critic is not None:
-                batch.values = torch.cat([self.critic.values(batch.select(slice(i, i + size)))
-                                          for i in range(0, batch.batch_size, size)]) * mask
+        kw = dict(self._logprob_kwargs(), micro_batch=args.local_rollout_forward_batch_size)
+        batch.old_logprobs = phases.policy_logprobs(self.actor, batch, **kw)
+        if args.kl_coef > 0 or args.kl_controller == "adaptive":
+            batch.ref_logprobs = phases.reference_logprobs(self.reference, self.actor, batch, **kw)
+        t1 = time.perf_counter()
+        if self.critic is not None:
+            batch.values = phases.critic_values(self.critic, batch, micro_batch=kw["micro_batch"]) * mask
         t2 = time.perf_counter()
 
         kl = None
@@ -197,34 +199,31 @@ class PPOTrainer(OnPolicyTrainer):
         kl_coef = 0.0 if args.use_kl_loss else self.kl_ctl.value
         token_rewards, non_score = token_level_rewards(scores, mask, kl, kl_coef)
         if args.whiten_rewards:
-            token_rewards = masked_whiten(token_rewards, mask, shift_mean=False) * mask
+            token_rewards = phases.global_masked_whiten(dims, token_rewards, mask, shift_mean=False) * mask
         batch.token_rewards = token_rewards
-        if args.advantage_estimator in ("gae", "reinforce_plus_plus"):  # token rewards (KL included), local
-            advantages, returns = compute_advantages(
-                args.advantage_estimator, token_rewards=token_rewards, values=batch.values, mask=mask,
-                gamma=args.gamma, lam=args.lam,
-            )
-        else:  # outcome estimators over the global round (groups may span processes)
-            greedy = self._greedy_baseline_scores(batch, rows) if args.advantage_estimator == "remax" else None
-            advantages, returns = self._global_advantages(scores, mask, greedy), None
+        greedy = self._greedy_baseline_scores(batch, rows) if args.advantage_estimator == "remax" else None
+        advantages, returns = phases.advantages(
+            dims, args.advantage_estimator, scores=scores, mask=mask, num_generations=args.num_generations,
+            gamma=args.gamma, lam=args.lam, values=batch.values,
+            token_rewards=token_rewards if args.advantage_estimator in ("gae", "reinforce_plus_plus") else None,
+            greedy_scores=greedy)
         if args.advantage_estimator == "gae" and args.whiten_advantages:
-            advantages = masked_whiten(advantages, mask) * mask
+            advantages = phases.global_masked_whiten(dims, advantages, mask) * mask
         batch.advantages, batch.returns = advantages, returns
         batch.validate()
 
         self._log_round(batch, rewards_per_func, scores, kl, non_score, has_eos,
                         timings | {"reference": t1 - t0, "critic": t2 - t1})
         if kl is not None and args.kl_controller == "adaptive":
-            mean_kl = self.accelerator.gather(kl.sum(1)).mean().item()
+            mean_kl = comm.gather_rows(dims, kl.sum(1)).mean().item()
             self.kl_ctl.update(mean_kl, args.batch_size)
         micro = self._split_round(batch)
-        if args.use_async_rollout or args.use_vllm:  # behaviour policy != trainer: log the gap, correct it
-            for mb in micro:
-                weights, stats = importance_weights(
-                    mb.old_logprobs, mb.sampling_logprobs, mb.completion_mask, args.vllm_importance_sampling_mode,
-                    args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
-                if args.vllm_importance_sampling_correction:
-                    mb.meta["is_weights"] = weights
+        for mb, normalizer in zip(micro, self._micro_batch_normalizers(micro)):
+            mb.meta["loss_normalizer"] = normalizer
+            if args.use_async_rollout or args.use_vllm:  # behaviour policy != trainer: log the gap, correct it
+                stats = phases.attach_importance_weights(
+                    mb, mode=args.vllm_importance_sampling_mode, clip_min=args.vllm_importance_sampling_clip_min,
+                    clip_max=args.vllm_importance_sampling_clip_max, correct=args.vllm_importance_sampling_correction)
                 for k, v in stats.items():
                     self._metrics[k].append(v)
         return micro
@@ -254,37 +253,29 @@ class PPOTrainer(OnPolicyTrainer):
                         batch.meta["prompts"][0], batch.meta["completions"][0], scores[0].item())
 
     # ------------------------------------------------------------------ loss
-    def compute_loss(self, model, inputs: RolloutBatch, return_outputs=False, num_items_in_batch=None):
-        batch, args, m = inputs, self.args, self._metrics
-        mask = batch.completion_mask
-        maskf = mask.float()
-        loss = torch.zeros((), device=batch.device)
+    def _micro_batch_losses(self, batch: RolloutBatch) -> list[tuple]:
+        args, m = self.args, self._metrics
+        normalizer = batch.meta.get("loss_normalizer")
+        parts = []
         warming_up = self.critic is not None and self.state.global_step < args.critic_warmup_steps
         if not warming_up:
-            logp, entropy = self._token_logprobs(model, batch, with_entropy=True)
-            per_token, clip = ppo_clip_loss(logp, batch.old_logprobs, batch.advantages, mask, args.cliprange)
-            if "is_weights" in batch.meta:
-                per_token = per_token * batch.meta["is_weights"]
-            pg_loss = masked_mean(per_token, mask)
-            loss = loss + pg_loss
-            if args.use_kl_loss and batch.ref_logprobs is not None:
-                kl = kl_penalty(logp, batch.ref_logprobs, "k3")
-                loss = loss + self.kl_ctl.value * masked_mean(kl, mask)
-                m["loss/kl_avg"].append(masked_mean(kl.detach(), mask).item())
-            with torch.no_grad():
-                diff = (logp - batch.old_logprobs) * maskf
-                m["loss/policy_avg"].append(pg_loss.item())
-                m["policy/approxkl_avg"].append((0.5 * masked_mean(diff.square(), mask)).item())
-                m["policy/clipfrac_avg"].append(masked_mean(clip["region_clip"], mask).item())
-                m["policy/entropy_avg"].append(masked_mean(entropy, mask).item())
-                m["val/ratio"].append(masked_mean(diff.exp(), mask).item())
+            logp, entropy = self._token_logprobs(batch, with_entropy=True)
+            use_kl = args.use_kl_loss and batch.ref_logprobs is not None
+            loss, st = losses.policy_loss(logp, batch, clip_low=args.cliprange, loss_type="dapo", normalizer=normalizer,
+                                          kl_coef=self.kl_ctl.value if use_kl else 0.0, kl_estimator="k3",
+                                          entropy=entropy)
+            parts.append((self.actor, loss))
+            m["loss/policy_avg"].append(st["policy"].item())
+            if use_kl:
+                m["loss/kl_avg"].append(st["kl"].item())
+            m["policy/approxkl_avg"].append(st["approx_kl"].item())
+            m["policy/clipfrac_avg"].append(st["clip_region"].item())
+            m["policy/entropy_avg"].append(st["entropy"].item())
+            m["val/ratio"].append(st["ratio"].item())
         if self.critic is not None:
-            vpred = self.critic.values(batch)
-            vclipped = torch.clamp(vpred, batch.values - args.cliprange_value, batch.values + args.cliprange_value)
-            losses1 = (vpred - batch.returns).square()
-            losses2 = (vclipped - batch.returns).square()
-            vf_loss = 0.5 * masked_mean(torch.max(losses1, losses2), mask)
-            loss = loss + args.vf_coef * vf_loss
-            m["loss/value_avg"].append(vf_loss.item())
-            m["val/clipfrac_avg"].append(masked_mean((losses2 > losses1).float(), mask).item())
-        return loss
+            vloss, st = losses.value_loss(self.critic.values(batch), batch, clip=args.cliprange_value,
+                                          normalizer=normalizer)
+            parts.append((self.critic, args.vf_coef * vloss))
+            m["loss/value_avg"].append(st["value"].item())
+            m["val/clipfrac_avg"].append(st["clip_frac"].item())
+        return parts

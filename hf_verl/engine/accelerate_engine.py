@@ -1,0 +1,320 @@
+"""`AccelerateEngine`: the training engine over one process, DDP, FSDP2 or DeepSpeed ZeRO-1/2/3.
+
+One class for the four layouts `accelerate launch` offers, chosen by the run's
+:class:`~hf_verl.parallel.backend.BackendSpec`:
+
+| backend | trained role | frozen role (reference, reward model) |
+|---|---|---|
+| plain | the model itself | the model itself |
+| ddp | `accelerator.prepare_model` (DistributedDataParallel) | a replica, no wrapper |
+| fsdp2 | :func:`~hf_verl.parallel.fsdp.apply_fsdp` over the data-parallel mesh | sharded the same way |
+| deepspeed | `deepspeed.initialize` with the trainer's optimizer | ZeRO-3: a partitioned inference engine; ZeRO-1/2: a replica |
+
+Every forward runs through :attr:`module` (so DDP's and ZeRO's hooks fire and FSDP2's root gathers
+its parameters) and the LM / value head is then called as a module on the selected final hidden
+states: its weight is never read as a plain tensor, which under FSDP2 would be a shard and under
+ZeRO-3 an empty placeholder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from hf_verl.algorithms.logprobs import logprobs_from_head
+from hf_verl.engine.base import TokenStats, TrainingEngine
+from hf_verl.parallel import deepspeed as ds
+from hf_verl.parallel.backend import BackendSpec
+from hf_verl.parallel.dims import ParallelDims
+from hf_verl.parallel.fsdp import apply_fsdp, release_root
+from hf_verl.rollout.weight_sync import iter_weight_buckets, plain_state_items
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_DIR = "optimizer_shards"
+
+
+def value_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The one-output `score` head of a sequence-classification value model (PEFT-wrapped or not)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = getattr(base, "score", None)
+    if head is None:
+        raise TypeError(f"the value model {type(base).__name__} has no `score` head; pass an "
+                        "AutoModelForSequenceClassification model with num_labels=1.")
+    return head
+
+
+class AccelerateEngine(TrainingEngine):
+    """A model role trained (or run frozen) on one of accelerate's layouts (see the module docstring).
+
+    Args:
+        model (`torch.nn.Module`): a transformers model (or a `PeftModel`), unsharded, on its device.
+        role (`str`): "actor", "critic", "reference" or "reward".
+        dims ([`ParallelDims`]): the run's layout.
+        backend ([`BackendSpec`]): the run's backend.
+        accelerator (`accelerate.Accelerator`, *optional*): prepares DDP (device placement, DDP kwargs,
+            autocast); needed for `backend.kind == "ddp"`.
+        trainable (`bool`): False for frozen roles (no gradients, eval mode).
+        micro_batch_size / gradient_accumulation_steps / max_grad_norm / bf16 / fp16: DeepSpeed's config.
+        gradient_checkpointing (`bool`): activation checkpointing (applied before sharding).
+        pad_token_id (`int`, *optional*): set on a value model's config when it has none (its forward
+            needs one to batch rows).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, role: str, dims: ParallelDims, backend: BackendSpec,
+                 accelerator: Any = None, trainable: bool = True, micro_batch_size: int = 1,
+                 gradient_accumulation_steps: int = 1, max_grad_norm: float | None = 1.0, bf16: bool = False,
+                 fp16: bool = False, gradient_checkpointing: bool = False, pad_token_id: int | None = None) -> None:
+        self.role, self.dims, self.backend, self.trainable = role, dims, backend, trainable
+        self._model = model
+        self._module: torch.nn.Module = model
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.last_grad_norm: float | None = None
+        self._ds_config = None
+        config = getattr(model, "config", None)
+        if pad_token_id is not None and config is not None and getattr(config, "pad_token_id", None) is None:
+            config.pad_token_id = pad_token_id
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        elif gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if config is not None:
+                config.use_cache = False
+        kind = backend.kind
+        if kind == "ddp" and trainable:
+            if accelerator is None:
+                raise ValueError("a DDP engine needs the run's accelerate.Accelerator to prepare the model.")
+            self._module = accelerator.prepare_model(model)
+        elif kind == "fsdp2":
+            low = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
+            apply_fsdp(model, dims.dp_mesh(), reshard_after_forward=backend.reshard_after_forward,
+                       param_dtype=low, reduce_dtype=torch.float32 if low is not None else None,
+                       offload_params=backend.offload_params)
+        elif kind == "deepspeed":
+            self._ds_config = ds.deepspeed_config(
+                backend, micro_batch_size=micro_batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
+                max_grad_norm=max_grad_norm, bf16=bf16, fp16=fp16, trainable=trainable)
+            if not trainable and backend.zero_stage == 3:
+                self._module = ds.initialize(model, self._ds_config)
+        logger.info("%s engine: %s%s", role, backend.label, "" if trainable else " (frozen)")
+
+    # ------------------------------------------------------------------ models
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._module
+
+    @property
+    def _is_deepspeed(self) -> bool:
+        return self.backend.kind == "deepspeed" and self._module is not self._model
+
+    def _forward(self, input_ids, attention_mask, position_ids):
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "output_hidden_states": True, "use_cache": False}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        return kwargs
+
+    # ------------------------------------------------------------------ forward primitives
+    def token_logprobs(self, input_ids, targets, select, *, attention_mask=None, position_ids=None,
+                       temperature=1.0, chunk_size=1024, with_entropy=False, with_mean_logit=False) -> TokenStats:
+        kwargs = self._forward(input_ids, attention_mask, position_ids)
+        out = self.module(logits_to_keep=1, **kwargs)
+        hidden = out.hidden_states[-1][select]
+        del out
+        head = self.model.get_output_embeddings()
+        logp, entropy, mean_logit = logprobs_from_head(
+            hidden, head, targets[select], temperature=temperature, chunk_size=chunk_size,
+            with_entropy=with_entropy, with_mean_logit=with_mean_logit)
+        self._release_after_forward(logp)
+        return TokenStats(logp, entropy, mean_logit)
+
+    def _release_after_forward(self, result: torch.Tensor) -> None:
+        """An FSDP2 root stays gathered after its forward for the backward; without one, reshard it now."""
+        if self.backend.kind == "fsdp2" and not result.requires_grad:
+            release_root(self._model)
+
+    def token_values(self, input_ids, select, *, attention_mask=None, position_ids=None) -> torch.Tensor:
+        out = self.module(**self._forward(input_ids, attention_mask, position_ids))
+        hidden = out.hidden_states[-1][select]
+        del out
+        values = value_head(self.model)(hidden)
+        if values.shape[-1] != 1:
+            raise ValueError(f"the {self.role}'s score head has {values.shape[-1]} outputs; it needs num_labels=1.")
+        self._release_after_forward(values)
+        return values.squeeze(-1)
+
+    # ------------------------------------------------------------------ training
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode and self.trainable)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> torch.optim.Optimizer:
+        if not self.trainable:
+            raise ValueError(f"the {self.role} engine is frozen; it takes no optimizer.")
+        self.optimizer, self.scheduler = optimizer, scheduler
+        if self.backend.kind != "deepspeed":
+            return optimizer
+        if self._is_deepspeed:
+            raise RuntimeError(f"the {self.role} engine already has a DeepSpeed optimizer.")
+        self._module = ds.initialize(self._model, self._ds_config, optimizer)
+        from accelerate.utils import DeepSpeedOptimizerWrapper
+
+        # DeepSpeed steps inside `backward` (at the accumulation boundary); the optimizer a Trainer
+        # steps is therefore a no-op wrapper whose param groups are the real ones (for the LR schedule)
+        return DeepSpeedOptimizerWrapper(self._module.optimizer)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if not self.trainable:
+            raise ValueError(f"the {self.role} engine is frozen; it runs no backward.")
+        if self._is_deepspeed:
+            self._module.backward(loss, scale_wrt_gas=False)
+            self._module.step()  # a no-op before the accumulation boundary
+        elif self.backend.kind == "deepspeed":
+            raise RuntimeError(f"the {self.role} DeepSpeed engine has no optimizer yet: call attach_optimizer().")
+        else:
+            loss.backward()
+
+    def _trained_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad and p.grad is not None]
+
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        if self._is_deepspeed:  # DeepSpeed clips inside its step (gradient_clipping) and keeps the norm
+            norm = self._module.get_global_grad_norm()
+            return float("nan") if norm is None else float(norm)
+        params = self._trained_params()
+        if not params:
+            return 0.0
+        limit = max_norm if max_norm and max_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        from torch.distributed.tensor import DTensor
+
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def step(self, max_norm: float | None = None) -> float | None:
+        if self.optimizer is None:
+            raise RuntimeError(f"the {self.role} engine has no optimizer: call attach_optimizer() first.")
+        norm = self.clip_grad_norm(max_norm)
+        if not self._is_deepspeed:
+            self.optimizer.step()
+            self.zero_grad()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.last_grad_norm = norm
+        return norm
+
+    def zero_grad(self) -> None:
+        if not self._is_deepspeed and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        if self.backend.kind == "ddp" and hasattr(self._module, "no_sync"):
+            return self._module.no_sync()
+        if self.backend.kind == "fsdp2":
+            return _fsdp_no_sync(self._model)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ weights
+    def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None,
+                       to_cpu: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return iter_weight_buckets(self._model, bucket_bytes, dtype=dtype, to_cpu=to_cpu)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's own state dict (PEFT keys included), whole, on the main rank; a collective."""
+        out = {}
+        for name, tensor in plain_state_items(self._model):
+            if self.dims.is_main:
+                out[name] = tensor.detach().to("cpu", copy=True)
+        return out
+
+    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
+        """`save_pretrained` of the whole model on the main rank (a collective for sharded layouts)."""
+        state = self.full_state_dict() if self.backend.partitions_parameters else None
+        if self.dims.is_main:
+            self._model.save_pretrained(output_dir, state_dict=state, safe_serialization=True, **kwargs)
+
+    def save_state(self, output_dir: str) -> None:
+        if self._is_deepspeed:
+            self._module.save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), tag=self.role)
+            return
+        if self.optimizer is None:
+            return
+        if self.backend.kind == "fsdp2":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            state = {"optimizer": get_optimizer_state_dict(self._model, self.optimizer)}
+            dcp.save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR, self.role))
+            return
+        if self.dims.is_main:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, f"{self.role}_optimizer.pt"))
+
+    def load_state(self, input_dir: str) -> None:
+        if self._is_deepspeed:
+            self._module.load_checkpoint(os.path.join(input_dir, OPTIMIZER_DIR), tag=self.role)
+            return
+        if self.optimizer is None:
+            return
+        if self.backend.kind == "fsdp2":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import (
+                get_optimizer_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            state = {"optimizer": get_optimizer_state_dict(self._model, self.optimizer)}
+            dcp.load(state, checkpoint_id=os.path.join(input_dir, OPTIMIZER_DIR, self.role))
+            set_optimizer_state_dict(self._model, self.optimizer, state["optimizer"])
+            return
+        path = os.path.join(input_dir, f"{self.role}_optimizer.pt")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no {self.role} optimizer state in {input_dir}.")
+        self.optimizer.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load whole, HF-named weights into the (possibly sharded) model; a collective when sharded."""
+        if self.backend.kind == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            set_model_state_dict(self._model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+            return
+        if self._is_deepspeed and self.backend.zero_stage == 3:
+            params = dict(self._model.named_parameters())
+            for name, tensor in state.items():
+                param = params.get(name)
+                if param is None:
+                    continue
+                from deepspeed.runtime.zero.partition_parameters import (
+                    GatheredParameters,
+                )
+
+                with GatheredParameters([param], modifier_rank=0):
+                    if self.dims.is_main:
+                        param.data.copy_(tensor.to(param.dtype))
+            return
+        missing, unexpected = self._model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise ValueError(f"{self.role} weights have keys the model lacks: {unexpected[:5]}")
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: torch.nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,205 @@
+"""`TrainingEngine`: what every model role (actor, critic, reference, reward model) offers the RL code.
+
+The trainers and the facade never touch a model directly. They ask its engine for token
+log-probs / entropy / values of a batch, run `backward` and `step` on it, stream its full
+HF-named weights to a rollout engine, save and load it, and switch it between train and eval.
+How the model is laid out (one device, DDP replicas, FSDP2 shards, ZeRO partitions, or, later,
+Megatron-Core tensor and pipeline ranks) is the engine's business alone: it gathers inside when a
+result needs whole rows, and a Megatron engine implements the same methods over its own model.
+
+Two forward primitives carry everything:
+
+- :meth:`TrainingEngine.token_logprobs`: log-probs (and entropy, mean logit) of chosen next tokens
+  at selected positions of a batch of sequences, padded or packed; RL rollouts and DPO pairs are
+  both expressed as (input ids, positions, targets);
+- :meth:`TrainingEngine.token_values`: a value head's output at selected positions (the critic).
+
+:meth:`TrainingEngine.logprobs` and :meth:`TrainingEngine.values` express a
+:class:`~hf_verl.data.batch.RolloutBatch` (left-padded prompt, right-padded completion) in those
+terms and return `(B, C)` tensors aligned with `completion_ids`, zero on padding.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from hf_verl.data.batch import RolloutBatch
+from hf_verl.parallel.backend import BackendSpec
+from hf_verl.parallel.dims import ParallelDims
+
+
+@dataclass
+class TokenStats:
+    """Per-position results of :meth:`TrainingEngine.token_logprobs`, one entry per selected position
+    (row-major order of the selection mask)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None = None
+    mean_logit: torch.Tensor | None = None
+
+
+def rollout_positions(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask, position_ids, select, targets)` of a rollout batch: the position
+    before each real completion token is selected, and its target is that token."""
+    input_ids, mask = batch.input_ids, batch.attention_mask
+    P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    select = torch.zeros_like(mask, dtype=torch.bool)
+    targets = torch.zeros_like(input_ids)
+    select[:, P - 1 : P + C - 1] = batch.completion_mask.bool()
+    targets[:, P - 1 : P + C - 1] = batch.completion_ids
+    return input_ids, mask, select, targets
+
+
+def scatter_completion(batch: RolloutBatch, flat: torch.Tensor) -> torch.Tensor:
+    """`(B, C)` tensor with `flat` (one value per real completion token, row-major) in place, 0 elsewhere."""
+    out = flat.new_zeros(batch.completion_mask.shape)
+    out[batch.completion_mask.bool()] = flat
+    return out
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only (left padding does not shift them)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class TrainingEngine(abc.ABC):
+    """One model role on one parallel layout (see the module docstring).
+
+    Attributes:
+        role (`str`): "actor", "critic", "reference" or "reward".
+        dims ([`ParallelDims`]): the layout; the only source of ranks and groups.
+        backend ([`BackendSpec`]): plain, DDP, FSDP2 or DeepSpeed ZeRO.
+        trainable (`bool`): whether the engine runs backward / optimizer steps.
+    """
+
+    role: str
+    dims: ParallelDims
+    backend: BackendSpec
+    trainable: bool
+
+    # ------------------------------------------------------------------ models
+    @property
+    @abc.abstractmethod
+    def model(self) -> torch.nn.Module:
+        """The model as the user knows it (a `PreTrainedModel` or `PeftModel`), without wrappers."""
+
+    @property
+    @abc.abstractmethod
+    def module(self) -> torch.nn.Module:
+        """The module forward passes run through (a DDP / DeepSpeed wrapper, an FSDP2 root, or the model)."""
+
+    @property
+    def device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    @property
+    def holds_full_weights(self) -> bool:
+        """Whether every rank holds every parameter whole between forwards (not FSDP2 / ZeRO-3), so that
+        another model, such as a rollout engine, may share the parameter tensors."""
+        return not self.backend.partitions_parameters
+
+    # ------------------------------------------------------------------ forward primitives
+    @abc.abstractmethod
+    def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, select: torch.Tensor, *,
+                       attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                       temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                       with_mean_logit: bool = False) -> TokenStats:
+        """Log-probs of `targets[select]` given the prefix up to each selected position.
+
+        Args:
+            input_ids (`torch.Tensor` `(B, T)`): token ids (padded rows, or one packed row).
+            targets (`torch.Tensor` `(B, T)`): at each selected position, the next token to score.
+            select (`torch.Tensor` `(B, T)` bool): the positions to score.
+            attention_mask / position_ids: as the model takes them (packed rows: position ids only).
+            temperature (`float`): logits are divided by it. chunk_size (`int`): positions per LM-head chunk.
+            with_entropy / with_mean_logit (`bool`): also return those per position.
+        """
+
+    @abc.abstractmethod
+    def token_values(self, input_ids: torch.Tensor, select: torch.Tensor, *,
+                     attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The value head at `select` positions `(N,)` (a critic: sequence-classification model, one label)."""
+
+    def logprobs(self, batch: RolloutBatch, *, temperature: float = 1.0, chunk_size: int = 1024,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(B, C)` log-probs of a rollout's completion tokens (and entropy if asked), 0 on padding."""
+        input_ids, mask, select, targets = rollout_positions(batch)
+        stats = self.token_logprobs(input_ids, targets, select, attention_mask=mask,
+                                    position_ids=position_ids_from_mask(mask),
+                                    temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
+                                    with_entropy=with_entropy)
+        entropy = scatter_completion(batch, stats.entropy) if with_entropy else None
+        return scatter_completion(batch, stats.logp), entropy
+
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        """`(B, C)` critic values of the states before each completion token, 0 on padding."""
+        input_ids, mask, select, _ = rollout_positions(batch)
+        flat = self.token_values(input_ids, select, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+        return scatter_completion(batch, flat.float())
+
+    @contextlib.contextmanager
+    def adapters_disabled(self) -> Iterator[TrainingEngine]:
+        """This engine with its PEFT adapters switched off (the reference policy of a LoRA actor)."""
+        disable = getattr(self.model, "disable_adapter", None)
+        if disable is None:
+            raise ValueError(f"the {self.role} model has no PEFT adapters to disable; give a reference model.")
+        with disable():
+            yield self
+
+    # ------------------------------------------------------------------ training
+    @abc.abstractmethod
+    def train(self, mode: bool = True) -> None: ...
+
+    def eval(self) -> None:
+        self.train(False)
+
+    @abc.abstractmethod
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> torch.optim.Optimizer:
+        """Take the optimizer (and LR scheduler) that will step this engine's parameters (built over
+        :attr:`module`'s parameters); returns the optimizer object a `transformers.Trainer` should step."""
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` (already divided by gradient accumulation) into this engine's parameters."""
+
+    @abc.abstractmethod
+    def clip_grad_norm(self, max_norm: float | None) -> float:
+        """Global gradient norm over all ranks before clipping (clipping to `max_norm` if set)."""
+
+    @abc.abstractmethod
+    def step(self, max_norm: float | None = None) -> float | None:
+        """Clip, optimizer step, scheduler step, zero gradients; returns the gradient norm (None if the
+        backend reports none)."""
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A context in which backward accumulates local gradients without reducing them across ranks."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ weights
+    @abc.abstractmethod
+    def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None,
+                       to_cpu: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-named tensors, bucket by bucket (a collective on sharded layouts: every rank iterates)."""
+
+    @abc.abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole, HF-named state dict on the main rank (empty elsewhere); a collective."""
+
+    @abc.abstractmethod
+    def save_state(self, output_dir: str) -> None:
+        """Save what resuming needs beyond the weights (optimizer, scheduler; shards per rank); a collective."""
+
+    @abc.abstractmethod
+    def load_state(self, input_dir: str) -> None:
+        """Restore what :meth:`save_state` wrote (and, for sharded layouts, the weights)."""

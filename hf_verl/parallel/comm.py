@@ -1,0 +1,85 @@
+"""Collectives over the data-parallel group of a :class:`~hf_verl.parallel.dims.ParallelDims`.
+
+The RL pipeline needs a handful of them: gather the rewards of a round from every data-parallel
+rank before group normalisation, gather ragged per-token tensors (padded to the widest rank),
+sum token counts, average metrics. With one data-parallel rank every function returns its input,
+so callers never branch on the world size. Tensors travel on the mesh's device (gloo takes CPU
+tensors, NCCL CUDA ones) and come back on the caller's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hf_verl.parallel.dims import ParallelDims
+
+
+def _to_comm(dims: ParallelDims, tensor: torch.Tensor) -> torch.Tensor:
+    device = "cuda" if dims.device_type == "cuda" else "cpu"
+    return tensor.contiguous() if tensor.device.type == device else tensor.to(device).contiguous()
+
+
+def gather_rows(dims: ParallelDims, tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate `tensor` of every data-parallel rank along dim 0, in rank order.
+
+    Every rank must pass the same shape except along dim 0, which may differ.
+    """
+    if dims.dp_size == 1:
+        return tensor
+    import torch.distributed as dist
+
+    group = dims.dp_group
+    local = _to_comm(dims, tensor)
+    sizes = [torch.zeros(1, dtype=torch.long, device=local.device) for _ in range(dims.dp_size)]
+    dist.all_gather(sizes, torch.tensor([local.shape[0]], device=local.device), group=group)
+    rows = [int(s.item()) for s in sizes]
+    width = max(rows)
+    padded = F.pad(local, (0, 0) * (local.dim() - 1) + (0, width - local.shape[0])) if local.shape[0] < width else local
+    parts = [torch.empty_like(padded) for _ in range(dims.dp_size)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, rows)]).to(tensor.device)
+
+
+def gather_padded(dims: ParallelDims, tensor: torch.Tensor, dim: int = 1, pad_value: float = 0) -> torch.Tensor:
+    """:func:`gather_rows` of a `(rows, width, ...)` tensor whose `width` differs between ranks: each
+    rank's tensor is right-padded along `dim` with `pad_value` to the widest one first."""
+    if dims.dp_size == 1:
+        return tensor
+    width = int(reduce(dims, torch.tensor([tensor.shape[dim]], dtype=torch.float64), "max").item())
+    missing = width - tensor.shape[dim]
+    if missing:
+        pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, missing]
+        tensor = F.pad(tensor, pad, value=pad_value)
+    return gather_rows(dims, tensor)
+
+
+def reduce(dims: ParallelDims, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """All-reduce `tensor` over the data-parallel ranks with `op` in ("sum", "mean", "max", "min")."""
+    if dims.dp_size == 1:
+        return tensor
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"reduce op must be one of {tuple(ops)}, got {op!r}.")
+    out = _to_comm(dims, tensor.clone())
+    dist.all_reduce(out, op=ops[op], group=dims.dp_group)
+    if op == "mean":
+        out = out / dims.dp_size
+    return out.to(tensor.device)
+
+
+def local_rows(dims: ParallelDims, gathered: torch.Tensor, rows: int) -> torch.Tensor:
+    """This rank's slice of a tensor gathered with :func:`gather_rows` when every rank sent `rows` rows."""
+    start = dims.dp_rank * rows
+    return gathered[start : start + rows]
+
+
+def barrier(dims: ParallelDims) -> None:
+    """Wait for every process of the world (not only data-parallel peers)."""
+    if dims.world_size == 1:
+        return
+    import torch.distributed as dist
+
+    dist.barrier()

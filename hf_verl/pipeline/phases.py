@@ -1,0 +1,138 @@
+"""The trainer-side phases of a rollout: log-probs, values, advantages, importance weights.
+
+Each phase reads engines (:class:`~hf_verl.engine.base.TrainingEngine`) and the batch, and, where a
+statistic spans the whole round (group baselines, whitening, token counts), the data-parallel group
+of a :class:`~hf_verl.parallel.dims.ParallelDims`: the result for a given global round is the same
+on one process as split over several. Forward passes run `micro_batch` rows at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hf_verl.algorithms.estimators import compute_advantages, masked_whiten, token_level_rewards
+from hf_verl.algorithms.importance import importance_weights
+from hf_verl.data.batch import RolloutBatch
+from hf_verl.engine.base import TrainingEngine
+from hf_verl.parallel import comm
+from hf_verl.parallel.dims import ParallelDims
+
+# estimators whose statistics span the round (groups, batch whitening): computed on gathered rows
+GLOBAL_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+
+
+def chunked(fn: Callable[[RolloutBatch], torch.Tensor], batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
+    """Apply a `(rows, C)`-valued forward over `micro_batch`-row slices of `batch` and concatenate."""
+    size = max(1, micro_batch)
+    return torch.cat([fn(batch.select(slice(i, i + size))) for i in range(0, batch.batch_size, size)])
+
+
+@torch.no_grad()
+def policy_logprobs(actor: TrainingEngine, batch: RolloutBatch, *, temperature: float, chunk_size: int,
+                    micro_batch: int) -> torch.Tensor:
+    """The actor's `(B, C)` log-probs of the sampled tokens (the PPO "old" policy), no gradient."""
+    was_training = actor.module.training
+    actor.eval()
+    try:
+        return chunked(lambda mb: actor.logprobs(mb, temperature=temperature, chunk_size=chunk_size)[0],
+                       batch, micro_batch)
+    finally:
+        actor.train(was_training)
+
+
+@torch.no_grad()
+def reference_logprobs(reference: TrainingEngine | None, actor: TrainingEngine, batch: RolloutBatch, *,
+                       temperature: float, chunk_size: int, micro_batch: int) -> torch.Tensor:
+    """`(B, C)` log-probs under the reference: its own engine, else the actor with PEFT adapters off.
+
+    Raises:
+        ValueError: with neither a reference engine nor adapters to disable.
+    """
+    if reference is not None:
+        return chunked(lambda mb: reference.logprobs(mb, temperature=temperature, chunk_size=chunk_size)[0],
+                       batch, micro_batch)
+    if not hasattr(actor.model, "disable_adapter"):
+        raise ValueError("a KL term needs a reference policy: pass a reference model (id, path or a frozen copy "
+                         "of the actor), or train a PEFT actor (adapters disabled serve as the reference).")
+    with actor.adapters_disabled():
+        return policy_logprobs(actor, batch, temperature=temperature, chunk_size=chunk_size, micro_batch=micro_batch)
+
+
+@torch.no_grad()
+def critic_values(critic: TrainingEngine, batch: RolloutBatch, *, micro_batch: int) -> torch.Tensor:
+    """The critic's `(B, C)` values of the states before each completion token, 0 on padding."""
+    was_training = critic.module.training
+    critic.eval()
+    try:
+        return chunked(critic.values, batch, micro_batch)
+    finally:
+        critic.train(was_training)
+
+
+def global_masked_whiten(dims: ParallelDims, values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                         eps: float = 1e-8) -> torch.Tensor:
+    """:func:`~hf_verl.algorithms.estimators.masked_whiten` with the mean and (unbiased) variance taken
+    over the masked entries of every data-parallel rank (the same formula, two scalar all-reduces)."""
+    if dims.dp_size == 1:
+        return masked_whiten(values, mask, shift_mean=shift_mean, eps=eps)
+    maskf = mask.to(values.dtype)
+    local = torch.stack([(values * maskf).sum(), maskf.sum()])
+    total, count = comm.reduce(dims, local, "sum").unbind()
+    if count < 2:
+        raise ValueError(f"masked_whiten needs at least 2 masked entries, got {int(count)}.")
+    mean = total / count
+    sq = comm.reduce(dims, ((values - mean).square() * maskf).sum().reshape(1), "sum")[0]
+    var = sq / count * (count / (count - 1))
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+def advantages(dims: ParallelDims, estimator: str, *, scores: torch.Tensor, mask: torch.Tensor,
+               num_generations: int | None, gamma: float = 1.0, lam: float = 0.95,
+               values: torch.Tensor | None = None, token_rewards: torch.Tensor | None = None,
+               greedy_scores: torch.Tensor | None = None,
+               scale_rewards: str = "group") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(advantages (B, C), returns (B, C) or None)` of this rank's rows with `estimator`.
+
+    Per-sequence estimators (`gae`) run on the local rows; group and batch estimators run on the rows
+    of every data-parallel rank (a group may span ranks) and return this rank's slice.
+    """
+    if estimator not in GLOBAL_ESTIMATORS:
+        if token_rewards is None:
+            token_rewards, _ = token_level_rewards(scores, mask)
+        return compute_advantages(estimator, scores=scores, token_rewards=token_rewards, values=values, mask=mask,
+                                  num_generations=num_generations, gamma=gamma, lam=lam)
+    n, width = mask.shape
+    all_scores = comm.gather_rows(dims, scores)
+    all_mask = comm.gather_padded(dims, mask, dim=1)
+    all_greedy = comm.gather_rows(dims, greedy_scores) if greedy_scores is not None else None
+    all_tokens = None
+    if token_rewards is not None:
+        all_tokens = comm.gather_padded(dims, token_rewards, dim=1)
+    elif estimator == "reinforce_plus_plus":
+        all_tokens, _ = token_level_rewards(all_scores, all_mask)
+    adv, _ = compute_advantages(estimator, scores=all_scores, token_rewards=all_tokens, mask=all_mask,
+                                num_generations=num_generations, gamma=gamma, greedy_scores=all_greedy,
+                                scale_rewards=scale_rewards)
+    return comm.local_rows(dims, adv, n)[:, :width], None
+
+
+def global_token_count(dims: ParallelDims, mask: torch.Tensor) -> float:
+    """Completion tokens of `mask` summed over the data-parallel ranks."""
+    return float(comm.reduce(dims, mask.sum().to(torch.float64).reshape(1), "sum").item())
+
+
+def attach_importance_weights(batch: RolloutBatch, *, mode: str, clip_min: float | None, clip_max: float | None,
+                              correct: bool) -> dict[str, float]:
+    """Compare the engine's sampling log-probs with the actor's old ones; with `correct`, put the
+    truncated / masked importance weights into `batch.meta["is_weights"]`. Returns TRL's
+    `sampling/*` metrics (empty when the engine gave no log-probs)."""
+    lp, mask = batch.sampling_logprobs, batch.completion_mask.bool()
+    if lp is None or batch.old_logprobs is None or (mask.any() and not torch.isfinite(lp[mask]).any()):
+        return {}
+    weights, stats = importance_weights(batch.old_logprobs, lp, batch.completion_mask, mode, clip_min, clip_max)
+    if correct:
+        batch.meta["is_weights"] = weights.detach()
+    return stats

@@ -1,0 +1,122 @@
+"""Asynchronous rollout: the next rollout is generated while the current one trains.
+
+:class:`RolloutPrefetcher` owns one background worker thread and, for a rollout engine that
+generates with the actor's own parameter tensors (the default
+:class:`~hf_verl.rollout.hf_engine.TransformersEngine` on an unsharded actor), a second engine on
+a frozen copy of the actor: the optimizer mutates the actor in place, so a generation running on
+it while the actor steps would read half-updated weights. The copy (PEFT adapters merged into it)
+costs one more set of the actor's weights, no gradients or optimizer state; it is made the first
+time a prefetch needs it and brought to the actor's weights on the main thread just before each
+generation, never while one is in flight. Engines with their own weights (a server, vLLM, a
+transformers engine on a replica of a sharded actor) are used as they are; the front-end defers
+their weight sync while a generation runs on them.
+
+At most one generation is in flight. What runs off the main thread is generation and reward
+scoring only; everything that reads a trained role (reference, critic, old log-probs, advantages)
+runs on the main thread when the rollout is handed out. Both front-ends use this class: the
+trainers (`use_async_rollout=True`) and the role facade.
+
+On CUDA the worker's kernels share the default stream with the main thread, so the overlap is
+host-side (decode loop, reward functions); a remote or vLLM engine overlaps fully.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from hf_verl.engine.base import TrainingEngine
+from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
+from hf_verl.rollout.base import RolloutEngine
+from hf_verl.rollout.hf_engine import TransformersEngine
+
+logger = logging.getLogger(__name__)
+
+
+def frozen_copy(model):
+    """A detached eval-mode copy of an *unsharded* model, PEFT adapters merged into a plain model."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError("the model is already partitioned by DeepSpeed ZeRO-3 (loaded under deepspeed.zero.Init): "
+                         "hf_verl partitions every role itself; load the model without zero.Init.")
+    out = copy.deepcopy(model)
+    if hasattr(out, "merge_and_unload"):
+        out = out.merge_and_unload()
+    out.eval().requires_grad_(False)
+    for p in out.parameters():
+        p.grad = None
+    return out
+
+
+class RolloutPrefetcher:
+    """One background worker for rollouts, and the actor copy it generates with when it must.
+
+    The front-end calls :meth:`engine_for` and :meth:`sync_copy` on the main thread, then
+    :meth:`submit`; :meth:`busy` says whether a generation is in flight on a given engine.
+    """
+
+    def __init__(self, thread_name: str = "hf_verl-rollout") -> None:
+        self._thread_name = thread_name
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: tuple[Future, RolloutEngine] | None = None
+        self.copy_engine: TransformersEngine | None = None
+        self.copy_step: int | None = None  # the actor step the copy's weights are from
+
+    def engine_for(self, engine: RolloutEngine, actor: TrainingEngine, step: int) -> RolloutEngine:
+        """The engine a prefetch runs on: `engine` itself unless it shares the actor's weights, else a
+        `TransformersEngine` on a copy of the actor (made on first use)."""
+        if not shares_actor_weights(engine, actor):
+            return engine
+        if self.copy_engine is None:
+            self.wait_idle()
+            t0 = time.perf_counter()
+            model = frozen_copy(actor.model)
+            self.copy_engine = TransformersEngine(model, engine.tokenizer, batch_size=engine.batch_size,
+                                                  use_generate=engine.use_generate)
+            self.copy_engine.eos_token_ids = set(engine.eos_token_ids)
+            self.copy_step = step
+            n = sum(p.numel() for p in model.parameters())
+            logger.info("async rollout: generating on a copy of the actor (%.1fM parameters, made in %.2fs); "
+                        "set use_async_rollout=False to save its memory", n / 1e6, time.perf_counter() - t0)
+        return self.copy_engine
+
+    def sync_copy(self, actor: TrainingEngine, step: int) -> float:
+        """Bring the copy engine to the actor's weights if they moved since; returns seconds spent.
+        Waits for an in-flight generation first: the copy is never written while it is read."""
+        if self.copy_engine is None or self.copy_step == step:
+            return 0.0
+        self.wait_idle()
+        seconds = sync_weights(actor, self.copy_engine)
+        self.copy_step = step
+        return seconds
+
+    def busy(self, engine: RolloutEngine | None = None) -> bool:
+        """Whether a generation is in flight (on `engine`, if given)."""
+        if self._inflight is None or self._inflight[0].done():
+            return False
+        return engine is None or self._inflight[1] is engine
+
+    def wait_idle(self) -> None:
+        """Block until no generation is in flight (its outcome stays in its future)."""
+        if self._inflight is not None:
+            wait([self._inflight[0]])
+            self._inflight = None
+
+    def submit(self, engine: RolloutEngine, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` on the worker thread; `engine` is the engine it generates on."""
+        self.wait_idle()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
+        future = self._executor.submit(fn, *args)
+        self._inflight = (future, engine)
+        return future
+
+    def close(self, wait_for_inflight: bool = True) -> None:
+        """Stop the worker (a generation in flight finishes first) and free the actor copy."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait_for_inflight, cancel_futures=True)
+        self._executor, self._inflight = None, None
+        self.copy_engine, self.copy_step = None, None

@@ -1,0 +1,121 @@
+"""`EngineTrainerMixin`: `transformers.Trainer` on hf_verl's training engines.
+
+The TRL-style trainers keep `transformers.Trainer`'s loop (data, callbacks, logging, checkpoint
+schedule, resume) and give it the actor's engine as the module it trains (an
+:class:`~hf_verl.engine.module.EngineModule`), so that the layout (DDP, FSDP2, ZeRO) is chosen and
+applied once, by the engine, whatever launched the run. The Trainer has no public hooks for a
+model it did not wrap itself, so this mixin overrides the few private methods that touch it:
+`_wrap_model` (hand over the engine), and, for sharded layouts only, `_load_from_checkpoint`,
+`_save_optimizer_and_scheduler` and `_load_optimizer_and_scheduler` (every rank saves and loads its
+own shard; the Trainer's defaults save rank 0's state only). Everything else is public API.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from hf_verl.engine.accelerate_engine import AccelerateEngine
+from hf_verl.engine.module import EngineModule
+from hf_verl.parallel.backend import BackendSpec, resolve_backend
+from hf_verl.parallel.dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+
+def launch_layout(num_processes: int) -> tuple[BackendSpec, ParallelDims]:
+    """The run's backend (checked against the machine) and its `ParallelDims`."""
+    import torch.distributed as dist
+
+    from hf_verl.parallel.dims import _world_and_rank
+
+    world, _ = _world_and_rank()
+    ready = dist.is_available() and dist.is_initialized()
+    backend = resolve_backend(world, ready and num_processes == world)
+    return backend, ParallelDims.from_environment(shard=backend.shards)
+
+
+class EngineTrainerMixin:
+    """Mixed into a `transformers.Trainer` subclass; call :meth:`_init_engines` after `Trainer.__init__`."""
+
+    def _init_engines(self, backend: BackendSpec | None = None, dims: ParallelDims | None = None) -> None:
+        if backend is None or dims is None:
+            backend, dims = launch_layout(self.accelerator.num_processes)
+        self.backend, self.dims = backend, dims
+        # the engine lays the model out; the Trainer must not also run its own FSDP / DeepSpeed path (which
+        # accelerate engages on GPU machines from the same launch config)
+        self.is_fsdp_enabled = self.is_deepspeed_enabled = False
+        self.actor = self._make_engine(self.model, "actor", trainable=True)
+        self._engine_module = EngineModule(self.actor)
+        self.model_wrapped = self._engine_module
+
+    def _make_engine(self, model, role: str, *, trainable: bool, **kwargs) -> AccelerateEngine:
+        args = self.args
+        return AccelerateEngine(
+            model, role=role, dims=self.dims, backend=self.backend, accelerator=self.accelerator,
+            trainable=trainable, micro_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
+            bf16=bool(args.bf16), fp16=bool(args.fp16),
+            gradient_checkpointing=trainable and bool(args.gradient_checkpointing), **kwargs)
+
+    # ------------------------------------------------------------------ the Trainer's model and optimizer
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        # transformers.Trainer wraps (DDP / FSDP / DeepSpeed) what this returns unless it is already a
+        # wrapper: the engine has laid the model out, so it is handed over as it is
+        return self._engine_module
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if self.actor.optimizer is None:
+            optimizer = self.actor.attach_optimizer(optimizer)
+            if self.backend.kind == "deepspeed":
+                # DeepSpeed's optimizer is stepped by the engine; accelerate must not re-wrap (and re-place)
+                # the no-op wrapper the Trainer steps: accelerate's own "already prepared" marker
+                optimizer._is_accelerate_prepared = True
+            self.optimizer = optimizer
+        return self.optimizer
+
+    # ------------------------------------------------------------------ saving and resuming
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self.backend.partitions_parameters:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        state = self.actor.full_state_dict()  # a collective: every rank gathers, the main rank keeps
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if not self.backend.partitions_parameters:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from safetensors.torch import load_file
+
+        path = os.path.join(resume_from_checkpoint, "model.safetensors")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no model.safetensors in {resume_from_checkpoint} to resume the sharded actor from.")
+        self.actor.load_full_state_dict(load_file(path))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.backend.shards:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.actor.save_state(output_dir)  # every rank its shard
+        if self.args.should_save and self.lr_scheduler is not None:
+            import torch
+
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if checkpoint is None or not self.backend.shards:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        import torch
+
+        self.actor.load_state(checkpoint)
+        path = os.path.join(checkpoint, "scheduler.pt")
+        if self.lr_scheduler is not None and os.path.exists(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+    def _engine_grad_norm(self, logs: dict) -> None:
+        """DeepSpeed clips inside its own step, so the Trainer's `grad_norm` reads 0: report the engine's."""
+        if self.backend.kind == "deepspeed" and "grad_norm" in logs and self.actor.trainable:
+            norm = self.actor.clip_grad_norm(None)
+            if norm == norm:  # not NaN
+                logs["grad_norm"] = norm

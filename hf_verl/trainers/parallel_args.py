@@ -1,0 +1,34 @@
+"""`ParallelArguments`: what the three trainer configs share about the parallel backend.
+
+The layout itself comes from the `accelerate launch` config (see
+:mod:`hf_verl.parallel.backend`); the training engine applies it. One side effect has to be undone
+here: `transformers.TrainingArguments`, seeing a DeepSpeed launch, registers a global DeepSpeed
+config with transformers, after which every model built or loaded in the process is created for
+ZeRO-3 (partitioned at birth by `deepspeed.zero.Init`, its weight init run through gathers). hf_verl
+partitions each role itself when it calls `deepspeed.initialize`, and copies the unpartitioned
+policy for the reference and the rollout engine first, so models are to be loaded whole: the
+global registration is removed. (Loading huge models partitioned at birth is therefore not
+available yet; every rank briefly holds the full weights on the CPU.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+class ParallelArguments:
+    """Mixed into the trainer configs (after `TrainingArguments.__post_init__` has run)."""
+
+    def _take_over_deepspeed(self) -> None:
+        if getattr(self, "deepspeed_plugin", None) is None:
+            return
+        from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+        if is_deepspeed_zero3_enabled():
+            logger.info("DeepSpeed ZeRO-3 launch: models load whole and hf_verl's engine partitions them")
+        unset_hf_deepspeed_config()
+        plugin = self.deepspeed_plugin
+        if hasattr(plugin, "dschf"):
+            plugin.dschf = None

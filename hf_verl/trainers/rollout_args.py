@@ -1,0 +1,39 @@
+"""`RolloutArguments`: the rollout knobs GRPOConfig and PPOConfig share (declared once).
+
+Asynchronous rollout (`use_async_rollout`, `max_staleness`), the chunk size of log-prob scoring
+and per-row sampling seeds. With `per_row_sampling_seed` every completion is sampled from its own
+random stream, seeded by the run's `seed` and the row's place in the global generation round, so
+the same global round gives the same completions on one process or split over several (the
+transformers engine then draws token by token per row, a little slower; a server cannot honour
+it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _help(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class RolloutArguments:
+    use_async_rollout: bool = field(default=False, metadata=_help(
+        "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
+    max_staleness: int = field(default=1, metadata=_help("Most weight versions a rollout may lag behind (>= 1)."))
+    logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
+    per_row_sampling_seed: bool = field(default=False, metadata=_help(
+        "Sample each completion from its own stream seeded by (seed, its row in the global round): rollouts "
+        "do not depend on how rows are split over processes."))
+
+    def _validate_rollout(self) -> None:
+        if self.max_staleness < 1:
+            raise ValueError(f"max_staleness must be >= 1 (got {self.max_staleness}); for strictly on-policy "
+                             "rollout set use_async_rollout=False.")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}.")
+        if self.per_row_sampling_seed and getattr(self, "use_vllm", False) and getattr(self, "vllm_mode", "") == "server":
+            raise ValueError("per_row_sampling_seed cannot be honoured by a server (rows are batched into "
+                             "requests): turn it off, or use vllm_mode='colocate'.")

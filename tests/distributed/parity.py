@@ -1,0 +1,106 @@
+"""Three training steps of GRPO, PPO (with a critic and a reference) or DPO on one global batch.
+
+Run alone (`python -m tests.distributed.parity ALGO OUT`) it is the single-process baseline; run
+under `accelerate launch --config_file configs/accelerate/<backend>_cpu.yaml` it trains the same
+global batch split over 2 processes on that backend. The main rank writes `OUT/result.json` (the
+logged losses, the backend and layout the trainer actually got, the type of its parameters, and
+how far the sharded weight export is from the unsharded initial weights) and the final weights
+(`save_model` into `OUT/final`, the critic under `final/critic`).
+
+GRPO and PPO sample with `per_row_sampling_seed`, so the rollouts are the same however the rows
+are split; every optimizer step uses one micro-batch (the whole round), so that the token-mean
+normalisers see the same tokens.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from datasets import Dataset
+
+from tests.conftest import build_char_tokenizer
+
+GLOBAL_ROWS = 8
+
+
+def tiny_qwen2(tok, cls="Qwen2ForCausalLM", seed=0, **kw):
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                   eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **kw)
+    return getattr(transformers, cls)(cfg)
+
+
+def count_a(completions, **kwargs):
+    return [float(c.count("a")) + 0.1 * len(c) for c in completions]
+
+
+def common(out, world):
+    return dict(output_dir=out, use_cpu=os.environ.get("PARITY_USE_CPU", "1") == "1", report_to=[], max_steps=3,
+                logging_steps=1, per_device_train_batch_size=GLOBAL_ROWS // world, gradient_accumulation_steps=1,
+                learning_rate=float(os.environ.get("PARITY_LR", "1e-3")), lr_scheduler_type="constant",
+                save_strategy="no", disable_tqdm=True, seed=11, gradient_checkpointing=False, bf16=False)
+
+
+def build(algo, out, world, tok):
+    prompts = ["abc", "xyz", "hello", "ab", "b", "cc", "dd", "e", "aa", "ba", "ca", "da"]
+    if algo == "grpo":
+        from hf_verl import GRPOConfig, GRPOTrainer
+
+        args = GRPOConfig(num_generations=4, max_completion_length=6, beta=0.05, temperature=1.0,
+                          per_row_sampling_seed=True, **common(out, world))
+        return GRPOTrainer(model=tiny_qwen2(tok), reward_funcs=count_a, args=args,
+                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+    if algo == "ppo":
+        from hf_verl import PPOConfig, PPOTrainer
+
+        args = PPOConfig(num_mini_batches=1, num_ppo_epochs=1, response_length=6, stop_token="eos", kl_coef=0.05,
+                         per_row_sampling_seed=True, critic_learning_rate=2e-3, **common(out, world))
+        critic = tiny_qwen2(tok, "Qwen2ForSequenceClassification", seed=1, num_labels=1)
+        return PPOTrainer(args=args, processing_class=tok, model=tiny_qwen2(tok), reward_model=count_a,
+                          train_dataset=Dataset.from_dict({"prompt": prompts * 2}), value_model=critic)
+    from hf_verl import DPOConfig, DPOTrainer
+
+    pairs = {"prompt": [p + "=" for p in prompts] * 3,
+             "chosen": [p[::-1] for p in prompts] * 3, "rejected": [p + p for p in prompts] * 3}
+    args = DPOConfig(max_length=32, beta=0.1, **common(out, world))
+    return DPOTrainer(model=tiny_qwen2(tok), args=args, train_dataset=Dataset.from_dict(pairs), processing_class=tok)
+
+
+def export_error(trainer, initial):
+    """Largest |exported - initial| over the actor's weights (before any step), on the main rank."""
+    trainer.create_optimizer()  # DeepSpeed partitions the model when it gets its optimizer
+    worst, names = 0.0, []
+    for bucket in trainer.actor.export_weights(64 * 1024):
+        for name, tensor in bucket:
+            names.append(name)
+            if name in initial:
+                worst = max(worst, (tensor.float().cpu() - initial[name].float()).abs().max().item())
+    return worst, sorted(names) == sorted(initial)
+
+
+def main(algo: str, out: str) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tok = build_char_tokenizer()
+    trainer = build(algo, out, world, tok)
+    initial = {k: v.detach().clone() for k, v in tiny_qwen2(tok).state_dict().items()}
+    err, same_names = export_error(trainer, initial)
+    param = next(trainer.actor.model.parameters())
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    if trainer.dims.is_main:
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        extra = {k: [h[k] for h in trainer.state.log_history if k in h]
+                 for k in ("loss/value_avg", "reward", "rewards/chosen")}
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"losses": losses, "extra": extra, "backend": trainer.backend.label,
+                       "world": trainer.dims.world_size, "dp_size": trainer.dims.dp_size,
+                       "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
+                       "export_max_error": err, "export_names_match": same_names}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
