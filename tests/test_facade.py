@@ -31,7 +31,8 @@ def make_trainer(tok=None, critic=False, **kwargs):
     from hf_verl import Trainer
 
     tok = tok or build_char_tokenizer()
-    config = dict(group_size=4, max_new_tokens=4, actor_lr=1e-2, critic_lr=1e-2, seed=0)
+    # per-row seeds: each test's rollouts are the same on every run, whatever else drew random numbers
+    config = dict(group_size=4, max_new_tokens=4, actor_lr=1e-2, critic_lr=1e-2, seed=0, per_row_sampling_seed=True)
     config.update(kwargs.pop("config", {}))
     critic_model = None
     if critic:
@@ -95,23 +96,27 @@ def test_config_validation_messages_and_defaults():
     from hf_verl.facade.config import TrainerConfig
 
     cfg = TrainerConfig()
-    assert (cfg.gae_lambda, cfg.gamma, cfg.clip_range, cfg.value_clip_range, cfg.kl_coef) == (0.95, 1.0, 0.2, 0.2, 0.0)
-    assert (cfg.actor_lr, cfg.critic_lr, cfg.estimator) == (1e-6, 1e-5, "auto")
+    assert (cfg.lam, cfg.gamma, cfg.epsilon, cfg.cliprange_value, cfg.beta) == (0.95, 1.0, 0.2, 0.2, 0.0)
+    assert (cfg.gae_lambda, cfg.clip_range, cfg.value_clip_range, cfg.kl_coef) == (0.95, 0.2, 0.2, 0.0)  # aliases
+    assert (cfg.learning_rate, cfg.critic_learning_rate, cfg.advantage_estimator) == (1e-6, None, "auto")
+    cfg.group_size = 3
+    assert cfg.num_generations == 3 and cfg.to_dict()["num_generations"] == 3 and "group_size" not in cfg.to_dict()
+    cfg.num_generations = 8
     with pytest.raises(AttributeError, match="Did you mean 'temperature'"):
         cfg.temprature = 0.5
     with pytest.raises(AttributeError, match="'actor_lr'"):
         cfg.actor_rl = 1e-3
     with pytest.raises(AttributeError, match="'group_size'"):
         cfg.group_sise  # noqa: B018 - reading an unknown name fails the same way
-    with pytest.raises(TypeError, match=r"group_size must be an int >= 1, got str"):
+    with pytest.raises(TypeError, match=r"group_size \(num_generations\) must be an int >= 1, got str"):
         cfg.group_size = "8"
     with pytest.raises(TypeError, match="an int >= 1"):
         cfg.group_size = True
-    with pytest.raises(ValueError, match=r"clip_range must be a finite float > 0, got -1"):
+    with pytest.raises(ValueError, match=r"clip_range \(epsilon\) must be a finite float > 0, got -1"):
         cfg.clip_range = -1
-    with pytest.raises(ValueError, match=r"gae_lambda must be a float in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"gae_lambda \(lam\) must be a float in \[0, 1\]"):
         cfg.gae_lambda = 1.5
-    with pytest.raises(ValueError, match="estimator must be one of"):
+    with pytest.raises(ValueError, match=r"estimator \(advantage_estimator\) must be one of"):
         cfg.estimator = "ppo"
     with pytest.raises(ValueError, match="model_size"):
         cfg.model_size = "seven billion"
@@ -125,7 +130,7 @@ def test_config_changes_take_effect_at_next_step_and_rollout():
     trainer = make_trainer()
     seen = []
     generate = trainer.engine.generate
-    trainer.engine.generate = lambda ids, sampling: seen.append(sampling) or generate(ids, sampling)
+    trainer.engine.generate = lambda ids, sampling, **kw: seen.append(sampling) or generate(ids, sampling, **kw)
     trainer.step(trainer.compute_loss(trainer.rollout(PROMPTS)))
     opt = trainer._actor_opt
     trainer.config.actor_lr = 3e-3
@@ -138,16 +143,65 @@ def test_config_changes_take_effect_at_next_step_and_rollout():
     assert metrics["lr/actor"] == 3e-3
 
 
+def test_shared_knobs_have_the_trainers_names_and_defaults():
+    """One vocabulary: every facade setting that GRPOConfig (or, for the critic, PPOConfig) also has
+    carries the same default there."""
+    import dataclasses
+
+    from hf_verl import GRPOConfig, PPOConfig
+    from hf_verl.facade.config import ALIASES, FIELDS
+
+    grpo = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    ppo = {f.name: f.default for f in dataclasses.fields(PPOConfig)}
+    # "auto" picks what each trainer fixes: GAE with a critic (PPOTrainer), GRPO without (GRPOTrainer)
+    # kl_estimator: the facade's KL is GRPO's loss term (k3, as GRPOConfig fixes it); PPOConfig's is the
+    # KL folded into the rewards (k1), another concept
+    facade_only = {"advantage_estimator", "kl_estimator"}
+    shared = 0
+    for name, field in FIELDS.items():
+        source = grpo if name in grpo else ppo if name in ppo else None
+        if source is None or name in facade_only:
+            continue
+        shared += 1
+        assert field.default == source[name], (name, field.default, source[name])
+    assert shared >= 20
+    assert set(ALIASES.values()) <= set(FIELDS)
+
+
 # ---------------------------------------------------------------------- parallelisms
-def test_supported_parallelisms_are_truthful(monkeypatch):
+def test_supported_parallelisms_are_truthful():
+    """The real checks of this machine and installation: CPU processes over gloo run DDP and FSDP2,
+    DeepSpeed runs when it imports, and what is not built yet says so."""
     import importlib.util
 
+    import torch
+
     trainer = make_trainer()
-    assert trainer.supported_parallelisms() == ["data"]
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "hf_verl.parallel.ulysses" else real(name, *a))
-    assert trainer.supported_parallelisms() == ["data", "sequence"]
+    found, reasons = trainer.supported_parallelisms(), trainer.supported_parallelisms(reasons=True)
+    assert set(reasons) == {"data", "fsdp", "zero", "sequence", "tensor", "pipeline"}
+    assert found == [name for name in reasons if name in found]  # a subset, in the report's order
+    if not torch.cuda.is_available():
+        assert "data" in found and "fsdp" in found and "gloo" in reasons["data"]
+    assert ("zero" in found) == (importlib.util.find_spec("deepspeed") is not None)
+    assert "sequence" not in found and "not built" in reasons["sequence"]
+    assert "tensor" not in found and "Megatron engine is not built" in reasons["tensor"]
+
+
+def test_a_backend_that_does_not_import_is_reported_with_its_error(tmp_path):
+    """A deepspeed that is installed but broken (here: a package on the path that fails on import) is not
+    supported, and the reason carries its import error; checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text("raise ImportError('built for another CUDA')\n")
+    code = ("from hf_verl.parallel.capabilities import parallelism_report as r; rep = r(); "
+            "print(rep['zero'].available, '|', rep['zero'].reason)")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{__import__('os').getcwd()}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    available, reason = out.stdout.strip().split(" | ", 1)
+    assert available == "False" and "built for another CUDA" in reason and "hf_verl[deepspeed]" in reason
 
 
 # ---------------------------------------------------------------------- the loop

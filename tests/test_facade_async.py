@@ -9,9 +9,16 @@ import pytest
 import torch
 
 from tests.conftest import build_char_tokenizer
-from tests.test_facade import changed, count_a, make_trainer, snapshot, tiny_llama
+from tests.test_facade import changed, count_a, snapshot, tiny_llama
+from tests.test_facade import make_trainer as make_sync_trainer
 
 ROWS = [{"prompt": p} for p in ["abc=", "hello", "xyz a", "ab", "cab=", "b a c", "aaa", "zz"]]
+
+
+def make_trainer(tok=None, **kwargs):
+    """The facade with asynchronous rollout on (off by default, as in the trainers)."""
+    config = {"use_async_rollout": True, **kwargs.pop("config", {})}
+    return make_sync_trainer(tok, config=config, **kwargs)
 
 
 def dataset_trainer(**config):
@@ -136,11 +143,11 @@ def test_copy_engine_is_synced_between_generations_and_never_mutated_during_one(
     entered, release, seen = threading.Event(), threading.Event(), {}
     generate = copy_engine.generate
 
-    def blocking_generate(prompt_ids, sampling):
+    def blocking_generate(prompt_ids, sampling, **kwargs):
         seen["start"] = copy_params(copy_engine.model)
         entered.set()
         assert release.wait(30)
-        out = generate(prompt_ids, sampling)
+        out = generate(prompt_ids, sampling, **kwargs)
         seen["end"] = copy_params(copy_engine.model)
         return out
 
@@ -171,13 +178,13 @@ def make_own_weights_engine(tok, gate_event):
             self.generating = False
             self.events = []
 
-        def generate(self, prompt_ids, sampling):
+        def generate(self, prompt_ids, sampling, row_seeds=None):
             self.generating = True
             self.events.append(("generate", threading.current_thread() is threading.main_thread()))
             if threading.current_thread() is not threading.main_thread():
                 assert gate_event.wait(30)
             try:
-                return self.inner.generate(prompt_ids, sampling)
+                return self.inner.generate(prompt_ids, sampling, row_seeds=row_seeds)
             finally:
                 self.generating = False
 
@@ -346,13 +353,13 @@ def test_close_stops_the_worker_in_bounded_time():
 def test_async_settings_defaults_and_validation():
     from hf_verl.facade.config import TrainerConfig
 
-    cfg = TrainerConfig()
-    assert (cfg.use_async_rollout, cfg.max_staleness, cfg.importance_sampling_correction) == (True, 1, True)
+    cfg = TrainerConfig()  # the trainers' defaults: synchronous, sequence-level masking above a ratio of 3
+    assert (cfg.use_async_rollout, cfg.max_staleness, cfg.importance_sampling_correction) == (False, 1, True)
     assert (cfg.importance_sampling_mode, cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max) == (
-        "token_truncate", None, 3.0)
+        "sequence_mask", None, 3.0)
     with pytest.raises(ValueError, match=r"max_staleness must be an int >= 0, got -1"):
         cfg.max_staleness = -1
-    with pytest.raises(ValueError, match="importance_sampling_mode must be one of"):
+    with pytest.raises(ValueError, match=r"importance_sampling_mode \(vllm_importance_sampling_mode\) must be one of"):
         cfg.importance_sampling_mode = "token_clip"
     with pytest.raises(TypeError, match="use_async_rollout must be True or False"):
         cfg.use_async_rollout = 1

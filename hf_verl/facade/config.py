@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hf_verl.algorithms.advantages import SCALE_REWARDS
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.importance import IS_MODES
 from hf_verl.algorithms.kl import KL_ESTIMATORS
@@ -60,41 +61,48 @@ def _size(v) -> bool:
 _NONE = type(None)
 _ESTIMATORS = ("auto", *[e for e in ADVANTAGE_ESTIMATORS if e != "remax"])
 
+# The names and defaults are those of the TRL-style configs (GRPOConfig for what GRPO has, PPOConfig
+# for the critic's knobs): one vocabulary and one default per concept across the library.
 FIELDS: dict[str, Field] = {
     "rollout_batch_size": Field(16, (int,), _pos_int, "an int >= 1",
-                                "Prompts drawn per `rollout()` when it is called without a batch."),
-    "group_size": Field(8, (int,), _pos_int, "an int >= 1",
-                        "Completions generated per prompt (TRL's `num_generations`)."),
-    "max_new_tokens": Field(256, (int,), _pos_int, "an int >= 1", "Maximum tokens generated per completion."),
-    "max_prompt_length": Field(None, (int, _NONE), lambda v: v is None or v >= 1, "None or an int >= 1",
+                                "Prompts drawn per `rollout()` (per data-parallel rank) when it is called without a "
+                                "batch."),
+    "num_generations": Field(8, (int,), _pos_int, "an int >= 1", "Completions generated per prompt (the group size)."),
+    "max_completion_length": Field(512, (int,), _pos_int, "an int >= 1", "Maximum tokens generated per completion."),
+    "max_prompt_length": Field(512, (int, _NONE), lambda v: v is None or v >= 1, "None or an int >= 1",
                                "Prompts are left-truncated to this many tokens; None keeps them whole."),
     "temperature": Field(1.0, (float,), _nonneg, "a finite float >= 0 (0 is greedy)", "Sampling temperature."),
     "top_p": Field(1.0, (float,), lambda v: 0.0 < v <= 1.0, "a float in (0, 1]", "Nucleus sampling mass."),
     "top_k": Field(0, (int,), lambda v: v >= 0, "an int >= 0 (0 disables it)", "Top-k sampling."),
-    "estimator": Field("auto", (str,), lambda v: v in _ESTIMATORS, f"one of {_ESTIMATORS}",
-                       "Advantage estimator: 'auto' is 'gae' with a critic and 'grpo' without."),
+    "advantage_estimator": Field("auto", (str,), lambda v: v in _ESTIMATORS, f"one of {_ESTIMATORS}",
+                                 "Advantage estimator: 'auto' is 'gae' with a critic and 'grpo' without."),
+    "scale_rewards": Field("group", (str,), lambda v: v in SCALE_REWARDS, f"one of {SCALE_REWARDS}",
+                           "GRPO: divide by the group's reward std ('group'), the batch's, or not at all."),
     "gamma": Field(1.0, (float,), _unit, "a float in [0, 1]", "Discount factor (GAE, REINFORCE++)."),
-    "gae_lambda": Field(0.95, (float,), _unit, "a float in [0, 1]", "GAE lambda."),
+    "lam": Field(0.95, (float,), _unit, "a float in [0, 1]", "GAE lambda."),
     "whiten_advantages": Field(True, (bool,), lambda v: True, "True or False",
                                "Whiten GAE advantages over the rollout's tokens (as TRL and verl do)."),
-    "clip_range": Field(0.2, (float,), _pos, "a finite float > 0", "PPO ratio clip epsilon."),
-    "value_clip_range": Field(0.2, (float,), _pos, "a finite float > 0",
-                              "Clip range of the value loss around the rollout's values."),
-    "kl_coef": Field(0.0, (float,), _nonneg, "a finite float >= 0",
-                     "Weight of the k-estimator KL-to-reference loss term; 0 disables it."),
+    "epsilon": Field(0.2, (float,), _pos, "a finite float > 0", "PPO ratio clip range (lower, and upper by default)."),
+    "epsilon_high": Field(None, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
+                          "Upper clip range (clip-higher); None: epsilon."),
+    "cliprange_value": Field(0.2, (float,), _pos, "a finite float > 0",
+                             "Clip range of the value loss around the rollout's values."),
+    "beta": Field(0.0, (float,), _nonneg, "a finite float >= 0",
+                  "Weight of the KL-to-reference loss term; 0 disables it."),
     "kl_estimator": Field("k3", (str,), lambda v: v in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}", "KL estimator."),
     "entropy_coef": Field(0.0, (float,), _nonneg, "a finite float >= 0", "Weight of the entropy bonus."),
-    "vf_coef": Field(0.5, (float,), _nonneg, "a finite float >= 0", "Weight of the value loss."),
-    "loss_type": Field("bnpo", (str,), lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}",
+    "vf_coef": Field(0.1, (float,), _nonneg, "a finite float >= 0", "Weight of the value loss."),
+    "loss_type": Field("dapo", (str,), lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}",
                        "Aggregation of per-token losses (see hf_verl.algorithms.policy_loss)."),
-    "actor_lr": Field(1e-6, (float,), _pos, "a finite float > 0", "Actor AdamW learning rate."),
-    "critic_lr": Field(1e-5, (float,), _pos, "a finite float > 0", "Critic AdamW learning rate."),
+    "learning_rate": Field(1e-6, (float,), _pos, "a finite float > 0", "Actor AdamW learning rate."),
+    "critic_learning_rate": Field(None, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
+                                  "Critic AdamW learning rate; None: learning_rate."),
     "weight_decay": Field(0.0, (float,), _nonneg, "a finite float >= 0", "AdamW weight decay (both roles)."),
     "max_grad_norm": Field(1.0, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
                            "Gradient-norm clip per role; None disables clipping."),
     "logprob_chunk_size": Field(1024, (int,), _pos_int, "an int >= 1", "Positions per log-prob chunk."),
     "device": Field(None, (str, _NONE), lambda v: True, "None or a device string such as 'cpu' or 'cuda:0'",
-                    "Where roles loaded from a Hub id / path go; None: CUDA if available, else CPU."),
+                    "Where roles loaded from a Hub id / path go; None: this rank's CUDA device if any, else CPU."),
     "dtype": Field("auto", (str,), lambda v: v in ("auto", "float32", "bfloat16", "float16"),
                    "'auto', 'float32', 'bfloat16' or 'float16'", "dtype of roles loaded from a Hub id / path."),
     "model_size": Field(None, (int, str, _NONE), _size,
@@ -102,43 +110,62 @@ FIELDS: dict[str, Field] = {
                         "Actor size, read by the parallel-layout planner; None: counted once loaded."),
     "debug_path": Field(None, (str, _NONE), lambda v: True, "None or a file path",
                         "JSONL file of debug-mode records; None: `hf_verl_debug.jsonl` in the cwd."),
-    "seed": Field(None, (int, _NONE), lambda v: True, "None or an int", "Sampling seed for each rollout."),
-    "use_async_rollout": Field(True, (bool,), lambda v: True, "True or False",
+    "seed": Field(42, (int,), lambda v: True, "an int", "The run's seed: the dataset draw order and per-row seeds."),
+    "per_row_sampling_seed": Field(False, (bool,), lambda v: True, "True or False",
+                                   "Sample each completion from its own stream seeded by (seed, rollout, row): "
+                                   "rollouts then do not depend on how rows are batched or split over ranks."),
+    "use_async_rollout": Field(False, (bool,), lambda v: True, "True or False",
                                "Generate and score the next dataset rollout in a background thread while the "
                                "current one trains (`rollout()` without a batch, and `rollouts(...)`)."),
     "max_staleness": Field(1, (int,), lambda v: v >= 0, "an int >= 0",
                            "Most optimizer steps a rollout's weights may lag behind the actor when it is handed "
                            "out; 0 makes async rollout synchronous."),
-    "importance_sampling_correction": Field(True, (bool,), lambda v: True, "True or False",
-                                            "Weight the policy loss of off-policy rollouts (stale, or sampled by "
-                                            "an engine with its own weights) by truncated importance sampling."),
-    "importance_sampling_mode": Field("token_truncate", (str,), lambda v: v in IS_MODES, f"one of {IS_MODES}",
-                                      "How the behaviour/actor ratio is bounded (hf_verl.algorithms.importance)."),
-    "importance_sampling_clip_min": Field(None, (float, _NONE), lambda v: v is None or _nonneg(v),
-                                          "None or a finite float >= 0", "Lower ratio bound; None: unbounded."),
-    "importance_sampling_clip_max": Field(3.0, (float, _NONE), lambda v: v is None or _pos(v),
-                                          "None or a finite float > 0", "Upper ratio bound (the cap)."),
+    "vllm_importance_sampling_correction": Field(
+        True, (bool,), lambda v: True, "True or False",
+        "Weight the policy loss of off-policy rollouts (stale, or sampled by an engine with its own weights) by "
+        "truncated / masked importance sampling."),
+    "vllm_importance_sampling_mode": Field("sequence_mask", (str,), lambda v: v in IS_MODES, f"one of {IS_MODES}",
+                                           "How the behaviour/actor ratio is bounded (hf_verl.algorithms.importance)."),
+    "vllm_importance_sampling_clip_min": Field(None, (float, _NONE), lambda v: v is None or _nonneg(v),
+                                               "None or a finite float >= 0", "Lower ratio bound; None: unbounded."),
+    "vllm_importance_sampling_clip_max": Field(3.0, (float, _NONE), lambda v: v is None or _pos(v),
+                                               "None or a finite float > 0", "Upper ratio bound (the cap)."),
+}
+
+# the facade's earlier names, kept as aliases of the shared vocabulary (reading or writing either works)
+ALIASES: dict[str, str] = {
+    "group_size": "num_generations", "max_new_tokens": "max_completion_length", "estimator": "advantage_estimator",
+    "gae_lambda": "lam", "clip_range": "epsilon", "value_clip_range": "cliprange_value", "kl_coef": "beta",
+    "actor_lr": "learning_rate", "critic_lr": "critic_learning_rate",
+    "importance_sampling_correction": "vllm_importance_sampling_correction",
+    "importance_sampling_mode": "vllm_importance_sampling_mode",
+    "importance_sampling_clip_min": "vllm_importance_sampling_clip_min",
+    "importance_sampling_clip_max": "vllm_importance_sampling_clip_max",
 }
 
 
 class TrainerConfig:
     """Settings of the role-level :class:`~hf_verl.facade.trainer.Trainer`, validated on assignment.
 
-    Every name in :data:`FIELDS` is an attribute; defaults: `rollout_batch_size=16` prompts per
-    rollout, `group_size=8` completions per prompt, `max_new_tokens=256`, `temperature=1.0`,
-    `estimator="auto"` (GAE with a critic, GRPO without), `gamma=1.0`, `gae_lambda=0.95`,
-    `clip_range=0.2`, `value_clip_range=0.2`, `kl_coef=0.0`, `entropy_coef=0.0`, `vf_coef=0.5`,
-    `actor_lr=1e-6`, `critic_lr=1e-5`, `max_grad_norm=1.0`, `model_size=None`,
-    `use_async_rollout=True`, `max_staleness=1`, `importance_sampling_correction=True`
-    (`importance_sampling_mode="token_truncate"`, `importance_sampling_clip_max=3.0`).
+    Every name in :data:`FIELDS` is an attribute, with the names and defaults of the TRL-style
+    configs (`GRPOConfig`; `PPOConfig` for the critic): `rollout_batch_size=16` prompts per rollout,
+    `num_generations=8` completions per prompt, `max_completion_length=512`, `max_prompt_length=512`,
+    `temperature=1.0`, `advantage_estimator="auto"` (GAE with a critic, GRPO without), `gamma=1.0`,
+    `lam=0.95`, `epsilon=0.2`, `cliprange_value=0.2`, `beta=0.0` (KL), `vf_coef=0.1`,
+    `loss_type="dapo"`, `learning_rate=1e-6`, `critic_learning_rate=None` (= learning_rate),
+    `max_grad_norm=1.0`, `seed=42`, `use_async_rollout=False`, `max_staleness=1`,
+    `vllm_importance_sampling_mode="sequence_mask"` with a cap of 3.0. The facade's earlier names
+    (:data:`ALIASES`: `group_size`, `max_new_tokens`, `clip_range`, `kl_coef`, `actor_lr`, ...)
+    read and write the same settings.
 
     Args:
         **overrides: initial values; each is validated as an assignment would be.
 
     Example:
         ```python
-        config = TrainerConfig(group_size=4)
-        config.actor_lr = 5e-4          # applied to the optimizer at once
+        config = TrainerConfig(num_generations=4)
+        config.learning_rate = 5e-4     # applied to the optimizer at once
+        config.group_size               # 4: an alias of num_generations
         config.temprature = 0.7         # AttributeError: ... did you mean 'temperature'?
         ```
     """
@@ -151,14 +178,16 @@ class TrainerConfig:
 
     def __getattr__(self, name: str) -> Any:
         values = self.__dict__.get("_values", {})
+        name = ALIASES.get(name, name)
         if name in values:
             return values[name]
         raise AttributeError(_unknown(name))
 
     def __setattr__(self, name: str, value: Any) -> None:
+        spelled, name = name, ALIASES.get(name, name)
         if name not in FIELDS:
             raise AttributeError(_unknown(name))
-        value = _validate(name, value)
+        value = _validate(name, value, spelled)
         old = self._values[name]
         self._values[name] = value
         if old != value:
@@ -166,7 +195,7 @@ class TrainerConfig:
                 listener(name, old, value)
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(FIELDS))
+        return sorted(set(super().__dir__()) | set(FIELDS) | set(ALIASES))
 
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
@@ -185,18 +214,19 @@ class TrainerConfig:
 
 
 def _unknown(name: str) -> str:
-    close = difflib.get_close_matches(name, list(FIELDS), n=3, cutoff=0.5)
+    close = difflib.get_close_matches(name, list(FIELDS) + list(ALIASES), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return f"TrainerConfig has no setting {name!r}.{hint} Valid settings: {', '.join(FIELDS)}."
 
 
-def _validate(name: str, value: Any) -> Any:
+def _validate(name: str, value: Any, spelled: str | None = None) -> Any:
     f = FIELDS[name]
+    label = name if spelled in (None, name) else f"{spelled} ({name})"
     if float in f.types and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)  # 1 is a fine learning-rate-like float
     bad_bool = isinstance(value, bool) and bool not in f.types
     if bad_bool or not isinstance(value, f.types):
-        raise TypeError(f"TrainerConfig.{name} must be {f.valid}, got {type(value).__name__} {value!r}.")
+        raise TypeError(f"TrainerConfig.{label} must be {f.valid}, got {type(value).__name__} {value!r}.")
     if not f.check(value):
-        raise ValueError(f"TrainerConfig.{name} must be {f.valid}, got {value!r}.")
+        raise ValueError(f"TrainerConfig.{label} must be {f.valid}, got {value!r}.")
     return value

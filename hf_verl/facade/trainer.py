@@ -1,32 +1,31 @@
 """`Trainer`: the role-level facade for writing the RL loop by hand.
 
 ```python
-trainer = Trainer(actor_model="Qwen/Qwen2.5-0.5B", reward_model=my_reward_fn, config={"group_size": 8})
+trainer = Trainer(actor_model="Qwen/Qwen2.5-0.5B", reward_model=my_reward_fn, config={"num_generations": 8})
 for batch in loader:
     rollout = trainer.rollout(batch)       # generate, score, reference, critic, advantages
     loss = trainer.compute_loss(rollout)   # PPO clip (+ value, KL, entropy terms)
     metrics = trainer.step(loss)           # backward, clip, optimizer steps, weight sync
 ```
 
-Roles load lazily (:mod:`hf_verl.facade.roles`); settings are a validated, live
-:class:`~hf_verl.facade.config.TrainerConfig`; every rollout carries a trace id through its
-loss and step (:mod:`hf_verl.facade.debug`). With `use_async_rollout` (default) the next rollout
-of `rollout()` / `rollouts(batches)` is generated and scored in a background thread while the
-current one trains (:mod:`hf_verl.facade.prefetch`), at most `max_staleness` optimizer steps
-behind; the trainer-dependent phases (reference, critic, old log-probs, advantages) run on the
-main thread when a rollout is handed out, and off-policy rollouts get a truncated
-importance-sampling weight on the policy loss (:mod:`hf_verl.algorithms.importance`).
+The facade is a front-end of the same machinery as the TRL-style trainers: every role is a
+training engine (:mod:`hf_verl.engine`, laid out by the launch's backend: one process, DDP, FSDP2
+or ZeRO, `accelerate launch` as for the trainers), and every phase is a function of
+:mod:`hf_verl.pipeline` (generation and scoring, reference / old log-probs, critic values,
+advantages over the data-parallel round, the policy and value losses, weight sync, prefetching).
+It adds only the loop API: roles that load lazily (:mod:`hf_verl.facade.roles`), a validated live
+:class:`~hf_verl.facade.config.TrainerConfig` with the trainers' vocabulary, trace ids and debug
+records (:mod:`hf_verl.facade.debug`), and asynchronous rollout over the user's batches
+(`rollout()` / `rollouts(batches)`, :mod:`hf_verl.pipeline.prefetch`).
 
-Departures from verl / TRL: the KL to the reference is always a loss term (GRPO style,
+Departures from TRL's PPO: the KL to the reference is always a loss term (GRPO style,
 `kl_estimator`, default k3), also with GAE, where TRL's PPO puts it into the token rewards; old
-log-probs are always recomputed by the actor when the rollout is handed out (exact PPO ratios
-whatever the engine and however stale the rollout); async rollout is on by default, where TRL's
-trainers (and this package's `GRPOConfig`) default to synchronous generation.
+log-probs are always recomputed by the actor when a rollout is handed out (exact PPO ratios
+whatever the engine and however stale the rollout).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 import weakref
@@ -35,44 +34,25 @@ from typing import Any
 
 import torch
 
-from hf_verl.algorithms.estimators import compute_advantages, masked_whiten, token_level_rewards
-from hf_verl.algorithms.importance import importance_weights
-from hf_verl.algorithms.kl import kl_penalty
-from hf_verl.algorithms.policy_loss import aggregate_loss, masked_mean, ppo_clip_loss
-from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, is_conversational, tokenize_prompts
+from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, tokenize_prompts
+from hf_verl.engine.accelerate_engine import AccelerateEngine
 from hf_verl.facade.config import TrainerConfig
-from hf_verl.facade.debug import (
-    DEFAULT_DEBUG_FILE,
-    DebugRecorder,
-    TraceLogger,
-    new_trace_id,
-    peak_memory_mb,
-    trace,
-)
-from hf_verl.facade.prefetch import GENERATION_SETTINGS, Generated, Pending, RolloutPrefetcher, shares_actor_weights
-from hf_verl.facade.rewards import build_reward_funcs
-from hf_verl.facade.roles import (
-    LazyModel,
-    is_peft_model,
-    model_device_dtype,
-    token_logprobs,
-    token_values,
-    vocab_size,
-)
+from hf_verl.facade.debug import DEFAULT_DEBUG_FILE, DebugRecorder, TraceLogger, new_trace_id, peak_memory_mb, trace
+from hf_verl.facade.prefetch import GENERATION_SETTINGS, Generated, Pending
+from hf_verl.facade.roles import LazyModel, model_device_dtype, vocab_size
 from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
-from hf_verl.rewards.callables import combine_rewards, reward_func_name, score_reward_funcs
-from hf_verl.rollout.base import FINISH_LENGTH, RolloutEngine, SamplingParams
+from hf_verl.parallel.capabilities import parallelism_report, supported_parallelisms
+from hf_verl.pipeline import generation, losses, phases
+from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
+from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
+from hf_verl.rewards.callables import combine_rewards, reward_func_name
+from hf_verl.rewards.reward_model import resolve_reward_sources
+from hf_verl.rollout.base import RolloutEngine, SamplingParams
 
 logger = TraceLogger(logging.getLogger(__name__), {})
 _DATASET = "dataset"  # key of `rollout()`'s own prefetch (each `rollouts()` generator has its own key)
 _END = object()  # no further batch
-
-# parallelism -> modules of hf_verl, any of which provides it
-_PARALLEL_BACKENDS: dict[str, tuple[str, ...]] = {
-    "tensor": ("hf_verl.parallel.tensor_parallel", "hf_verl.parallel.megatron"),
-    "pipeline": ("hf_verl.parallel.pipeline", "hf_verl.parallel.megatron"),
-    "sequence": ("hf_verl.parallel.ulysses",),
-}
+_CRITIC_FREE = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 class Trainer:
@@ -87,19 +67,19 @@ class Trainer:
         reward_model: a reward function `f(prompts, completions, completion_ids, **columns)`, a
             reward model (id, path or object, scored with its own tokenizer), or a list of these.
         reference_model (*optional*): the KL reference (id, path or object). Without it and with
-            `kl_coef > 0`, a PEFT actor with its adapters disabled serves as the reference.
+            `beta > 0`, a PEFT actor with its adapters disabled serves as the reference.
         tokenizer (*optional*): the actor's tokenizer; defaults to the engine's or the actor id's.
         dataset (*optional*): rows with a `prompt` column, drawn by `rollout()` without a batch.
         config (`TrainerConfig` or `dict`, *optional*): settings (see [`TrainerConfig`]).
         reward_tokenizer (*optional*): tokenizer of a reward model given as an object.
         reward_weights (`list[float]`, *optional*): weights of the reward sources.
         rollout_engine ([`RolloutEngine`], *optional*): generation engine for `actor_model`;
-            defaults to a [`TransformersEngine`] sharing the actor's weights.
+            defaults to a [`TransformersEngine`] sharing the actor's weights (a replica of them when
+            the actor is sharded).
 
-    Construction loads nothing: roles given by id are fetched the first time they are needed.
-    With `use_async_rollout` (default) a background worker prefetches rollouts; `close()` stops it
-    (`with Trainer(...) as trainer:` closes on exit), and it never keeps a program from exiting
-    for longer than a generation in flight.
+    Construction loads nothing: roles given by id are fetched, and the parallel layout of the
+    launch applied, the first time they are needed. With `use_async_rollout` a background worker
+    prefetches rollouts; `close()` stops it (`with Trainer(...) as trainer:` closes on exit).
     """
 
     def __init__(self, actor_model: Any, critic_model: Any = None, reward_model: Any = None,
@@ -118,11 +98,11 @@ class Trainer:
         self.actor = LazyModel("actor", actor_model, "causal_lm", **place)
         self.critic = None if critic_model is None else LazyModel("critic", critic_model, "value", **place)
         self.reference = None if reference_model is None else LazyModel("reference", reference_model, "causal_lm",
-                                                                         **place)
+                                                                        **place)
         for role in self._model_roles():
             role.on_load.append(lambda _role: self._check_vocab())
         self._check_vocab()
-        self.reward_funcs = build_reward_funcs(reward_model, reward_tokenizer)
+        self.reward_funcs = resolve_reward_sources(reward_model, reward_tokenizer, defer_checks=True)
         self.reward_weights = reward_weights
         self._tokenizer = tokenizer
         self._engine = rollout_engine
@@ -130,21 +110,25 @@ class Trainer:
         self.debug_mode = False
         self._order: list[int] = []
         self._epoch = 0
+        self._rounds = 0  # rollouts generated so far: the round index of per-row sampling seeds
+        self._layout = None  # (backend, dims, accelerator), decided on first use
+        self._engines: dict[str, AccelerateEngine] = {}
         self._actor_opt: torch.optim.Optimizer | None = None
         self._critic_opt: torch.optim.Optimizer | None = None
         self._moves_logged: set[str] = set()
         self._loss_metrics: dict[str, Any] = {}
         self._loss_rollout: Rollout | None = None
+        self._loss_parts: tuple[torch.Tensor, list] | None = None
         self.global_step = 0
         self._pending: dict[Any, Pending] = {}  # prefetched rollouts, by source (`rollout()` or a generator)
-        self._prefetcher = RolloutPrefetcher()
+        self._prefetcher = RolloutPrefetcher("hf_verl-facade-rollout")
         weakref.finalize(self, self._prefetcher.close, False)
         self._engine_step = 0  # the actor step the engine's weights are from (engines that own weights)
         self._sync_deferred = False
-        self._explicit_logged = self._sync_logged = self._no_logprobs_logged = False
+        self._explicit_logged = self._sync_logged = False
         self.config.add_listener(self._on_config_change)
 
-    # ------------------------------------------------------------------ roles
+    # ------------------------------------------------------------------ roles and engines
     def _model_roles(self) -> list[LazyModel]:
         return [r for r in (self.actor, self.critic, self.reference) if r is not None]
 
@@ -185,28 +169,88 @@ class Trainer:
             ensure_pad_token(self._tokenizer)
         return self._tokenizer
 
+    def _launch_layout(self):
+        """The backend, `ParallelDims` and accelerator of this launch (decided once, on first use)."""
+        if self._layout is None:
+            from accelerate import Accelerator
+
+            from hf_verl.trainers.engine_glue import launch_layout
+
+            accelerator = Accelerator(cpu=not torch.cuda.is_available())
+            backend, dims = launch_layout(accelerator.num_processes)
+            self._layout = (backend, dims, accelerator)
+        return self._layout
+
+    @property
+    def dims(self):
+        """The run's [`ParallelDims`] (data-parallel rank and size, groups)."""
+        return self._launch_layout()[1]
+
+    def _role_engine(self, name: str) -> AccelerateEngine | None:
+        """The training engine of role `name` ("actor", "critic", "reference"), made on first use."""
+        role = {"actor": self.actor, "critic": self.critic, "reference": self.reference}[name]
+        if role is None:
+            return None
+        if name not in self._engines:
+            backend, dims, accelerator = self._launch_layout()
+            model = role.get()
+            if name == "actor" and backend.partitions_parameters and self._engine is None:
+                # a sharded actor cannot generate: the default engine gets a replica, made before sharding
+                from hf_verl.rollout.hf_engine import TransformersEngine
+
+                self._engine = TransformersEngine(frozen_copy(model), self.tokenizer)
+            rows = self.config.rollout_batch_size * self.config.num_generations
+            engine = AccelerateEngine(
+                model, role=name, dims=dims, backend=backend, accelerator=accelerator, trainable=name != "reference",
+                micro_batch_size=rows, max_grad_norm=self.config.max_grad_norm,
+                pad_token_id=self.tokenizer.pad_token_id if name == "critic" else None)
+            self._engines[name] = engine
+            if name != "reference":
+                self._attach_optimizer(name, engine)
+        return self._engines[name]
+
+    def _attach_optimizer(self, name: str, engine: AccelerateEngine) -> None:
+        cfg = self.config
+        lr = cfg.learning_rate if name == "actor" else (cfg.critic_learning_rate or cfg.learning_rate)
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+        engine.attach_optimizer(optimizer)
+        if name == "actor":
+            self._actor_opt = optimizer
+        else:
+            self._critic_opt = optimizer
+
+    @property
+    def actor_engine(self) -> AccelerateEngine:
+        """The actor's training engine."""
+        return self._role_engine("actor")
+
     @property
     def engine(self) -> RolloutEngine:
         """The actor's rollout engine (a `TransformersEngine` on the actor's weights by default)."""
+        actor = self.actor_engine
         if self._engine is None:
             from hf_verl.rollout.hf_engine import TransformersEngine
 
-            self._engine = TransformersEngine(self.model, self.tokenizer)
+            self._engine = TransformersEngine(actor.model, self.tokenizer)
         return self._engine
 
-    def supported_parallelisms(self) -> list[str]:
-        """The parallelisms that can run with this installation: "data", plus "tensor",
-        "pipeline" and "sequence" for each whose hf_verl backend module exists."""
-        found = ["data"]
-        for name, modules in _PARALLEL_BACKENDS.items():
-            if any(importlib.util.find_spec(m) is not None for m in modules):
-                found.append(name)
-        return found
+    def supported_parallelisms(self, reasons: bool = False) -> list[str] | dict[str, str]:
+        """The parallelisms this installation and machine can run now: "data" (DDP), "fsdp" (FSDP2),
+        "zero" (DeepSpeed), "sequence", "tensor", "pipeline" (see :mod:`hf_verl.parallel.capabilities`).
+
+        Args:
+            reasons (`bool`): return `{name: reason}` for every parallelism instead, the reason saying
+                what it runs on or why it cannot run (missing backend, too few devices, not built yet).
+        """
+        if reasons:
+            return {name: a.reason for name, a in parallelism_report().items()}
+        return supported_parallelisms()
 
     # ------------------------------------------------------------------ role moves and debug
-    def _into(self, role: str, model: torch.nn.Module, batch: Rollout) -> Rollout:
+    def _into(self, role: str, engine: AccelerateEngine, batch: Rollout) -> Rollout:
         """`batch` on `role`'s device; a device/dtype difference from the actor is logged once."""
-        device, dtype = model_device_dtype(model)
+        device, dtype = model_device_dtype(engine.model)
         a_device, a_dtype = model_device_dtype(self.model)
         if (device, dtype) != (a_device, a_dtype) and role not in self._moves_logged:
             self._moves_logged.add(role)
@@ -221,22 +265,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, batch: Any = None) -> Rollout:
-        """Generate `group_size` completions per prompt, then score them and compute advantages.
+        """Generate `num_generations` completions per prompt, then score them and compute advantages.
 
         Args:
             batch: a list of prompt strings, a list of chat-message lists, a dict of lists with a
                 `prompt` key (a DataLoader batch over a `datasets.Dataset`; the other keys reach
                 the reward functions), a list of row dicts, or None to draw `rollout_batch_size`
-                rows from `dataset`.
+                rows from `dataset` (this data-parallel rank's share of them).
 
         Returns:
             [`Rollout`]: prompts, completions, ids, masks, old / reference log-probs, values,
             rewards, advantages and returns, aligned and on the actor's device, with
             `rollout.metrics` and `rollout.trace_id`.
 
-        With `use_async_rollout` (the default) and no batch, the next rollout's rows are drawn now
-        and generated in the background while this one trains; the next call hands it out. An
-        explicit `batch` is rolled out synchronously: use [`~Trainer.rollouts`] to prefetch batches.
+        With `use_async_rollout` and no batch, the next rollout's rows are drawn now and generated
+        in the background while this one trains; the next call hands it out. An explicit `batch`
+        is rolled out synchronously: use [`~Trainer.rollouts`] to prefetch batches.
         """
         if batch is None:
             return self._serve(_DATASET, lambda: self._draw(self.config.rollout_batch_size))
@@ -327,20 +371,29 @@ class Trainer:
             if self._prefetcher.busy(engine):
                 self._prefetcher.wait_idle()
             self._sync_deferred_weights()
-            shared = shares_actor_weights(engine, self.model)
+            shared = shares_actor_weights(engine, self.actor_engine)
             prompt_ids, num_truncated = self._tokenize(prompts)
             generated = self._collect(prompts, prompt_ids, num_truncated, columns, engine, None,
-                                      self.global_step if shared else self._engine_step, not shared)
+                                      self.global_step if shared else self._engine_step, not shared,
+                                      self._next_row_seeds(len(prompts)))
         generated.out.meta["trace_id"] = trace_id
         return generated
+
+    def _next_row_seeds(self, rows: int) -> list[int] | None:
+        index, self._rounds = self._rounds, self._rounds + 1
+        if not self.config.per_row_sampling_seed:
+            return None
+        dims = self.dims
+        return generation.row_seeds(self.config.seed, index, dims.dp_rank, dims.dp_size, rows)
 
     def _submit(self, batch: Any) -> Pending:
         """Start generating `batch` in the background (rows drawn and tokenized here, on the main thread)."""
         prompts, columns = self._prompts(batch)
         prompt_ids, num_truncated = self._tokenize(prompts)
-        engine = self._prefetcher.engine_for(self.engine, self.model, self.global_step)
+        actor = self.actor_engine
+        engine = self._prefetcher.engine_for(self.engine, actor, self.global_step)
         if engine is self._prefetcher.copy_engine:
-            sync_s = self._prefetcher.sync_copy(self.model, self.global_step)
+            sync_s = self._prefetcher.sync_copy(actor, self.global_step)
             version, weights_step = self.engine.weight_version, self.global_step
         else:
             self._prefetcher.wait_idle()
@@ -348,10 +401,10 @@ class Trainer:
             self._sync_deferred_weights()
             sync_s, version, weights_step = time.perf_counter() - t0, None, self._engine_step
         # the copy holds the actor's exact weights: only its staleness makes it off-policy
-        off_policy = engine is not self._prefetcher.copy_engine and not shares_actor_weights(engine, self.model)
+        off_policy = engine is not self._prefetcher.copy_engine and not shares_actor_weights(engine, actor)
         future = self._prefetcher.submit(engine, self._collect_in_background, new_trace_id(), sync_s, prompts,
                                          prompt_ids, num_truncated, columns, engine, version, weights_step,
-                                         off_policy)
+                                         off_policy, self._next_row_seeds(len(prompts)))
         return Pending(batch, self._generation_settings(), future)
 
     def _collect_in_background(self, trace_id: str, sync_s: float, *args: Any) -> Generated:
@@ -362,28 +415,46 @@ class Trainer:
         return generated
 
     def _collect(self, prompts: list, prompt_ids: list[list[int]], num_truncated: int, columns: dict[str, list],
-                 engine: RolloutEngine, version: int | None, weights_step: int, off_policy: bool) -> Generated:
+                 engine: RolloutEngine, version: int | None, weights_step: int, off_policy: bool,
+                 row_seeds: list[int] | None = None) -> Generated:
         """Generate and score: reads no trainer role, so it may run off the main thread."""
+        cfg = self.config
         t0 = time.perf_counter()
-        out = self._generate(prompts, prompt_ids, engine, version)
+        sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
+                                  top_p=cfg.top_p, top_k=cfg.top_k)
+        self._record("prompts->actor", {"prompt_ids": torch.tensor([len(p) for p in prompt_ids])})
+        out = generation.generate(engine, prompt_ids, prompts, sampling, self.tokenizer,
+                                  model_device_dtype(self.model)[0], row_seeds=row_seeds, version=version,
+                                  batch_cls=Rollout)
+        self._record("actor->rollout", out.tensor_fields())
         t1 = time.perf_counter()
-        per_func = self._score(out, columns)
+        for k, v in columns.items():
+            out.meta[COLUMN_PREFIX + k] = v
+        per_func = generation.score(self.reward_funcs, out, columns)
+        out.rewards = combine_rewards(per_func, self.reward_weights).to(out.device)
+        self._record("reward->rollout", {"rewards": out.rewards})
         timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}
         return Generated(out, per_func, num_truncated, weights_step, off_policy, timings)
 
     def _finish(self, generated: Generated) -> Rollout:
         """The trainer-dependent phases of a rollout, on the main thread with the current roles."""
-        out, timings = generated.out, generated.timings
+        out, timings, cfg = generated.out, generated.timings, self.config
+        kw = {"temperature": cfg.temperature if cfg.temperature > 0 else 1.0, "chunk_size": cfg.logprob_chunk_size,
+              "micro_batch": out.batch_size}
         with trace(out.meta["trace_id"]):
+            actor = self.actor_engine
             t2 = time.perf_counter()
             out.ref_logprobs = self._reference_logprobs(out)
             t3 = time.perf_counter()
-            out.values = self._values(out)
+            critic = self._role_engine("critic")
+            if critic is not None:
+                moved = self._into("critic", critic, out)
+                self._record("actor->critic", {"input_ids": moved.input_ids, "attention_mask": moved.attention_mask})
+                values = phases.critic_values(critic, moved, micro_batch=out.batch_size)
+                self._record("critic->rollout", {"values": values})
+                out.values = values.to(device=out.device, dtype=torch.float32) * out.completion_mask
             t4 = time.perf_counter()
-            with torch.no_grad():
-                self.model.eval()
-                out.old_logprobs = self._actor_logprobs(out)[0]
-                self.model.train()
+            out.old_logprobs = phases.policy_logprobs(actor, out, **kw)
             t5 = time.perf_counter()
             self._advantages(out)
             staleness = self.global_step - generated.weights_step
@@ -402,7 +473,7 @@ class Trainer:
         return out
 
     def _prompts(self, batch: Any) -> tuple[list, dict[str, list]]:
-        """Prompts and columns, each prompt repeated `group_size` times (groups contiguous)."""
+        """Prompts and columns, each prompt repeated `num_generations` times (groups contiguous)."""
         if batch is None:
             batch = self._draw(self.config.rollout_batch_size)
         if isinstance(batch, Mapping):
@@ -418,118 +489,73 @@ class Trainer:
         else:
             raise ValueError(f"rollout() needs a non-empty list of prompts, a dict with a 'prompt' key, or None "
                              f"with a dataset; got {type(batch).__name__}.")
-        G = self.config.group_size
+        G = self.config.num_generations
         rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
         return rep(prompts), {k: rep(v) for k, v in cols.items()}
 
     def _draw(self, n: int) -> list[dict]:
+        """This data-parallel rank's `n` rows of the next `n x dp_size` of the seeded dataset order."""
         if self.dataset is None:
             raise ValueError("rollout() was called without a batch and the Trainer has no dataset.")
+        dims = self.dims
         rows = []
-        while len(rows) < n:
+        while len(rows) < n * dims.dp_size:
             if not self._order:
-                g = torch.Generator().manual_seed((self.config.seed or 0) + self._epoch)
+                g = torch.Generator().manual_seed(self.config.seed + self._epoch)
                 self._order = torch.randperm(len(self.dataset), generator=g).tolist()
                 self._epoch += 1
-            rows.append(dict(self.dataset[self._order.pop()]))
-        return rows
+            rows.append(self._order.pop())
+        mine = rows[dims.dp_rank * n : (dims.dp_rank + 1) * n]
+        return [dict(self.dataset[i]) for i in mine]
 
     def _tokenize(self, prompts: list) -> tuple[list[list[int]], int]:
         """Token ids of each (repeated) prompt and the number of distinct prompts truncated."""
-        G = self.config.group_size
+        G = self.config.num_generations
         unique = tokenize_prompts(prompts[::G], self.tokenizer, self.config.max_prompt_length)
         return [ids for ids in unique.ids for _ in range(G)], unique.num_truncated
-
-    def _generate(self, prompts: list, prompt_ids: list[list[int]], engine: RolloutEngine,
-                  version: int | None) -> Rollout:
-        """Sample on `engine`; `version` overrides the engine's weight version (the actor copy's)."""
-        cfg, tok = self.config, self.tokenizer
-        sampling = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                  top_k=cfg.top_k, seed=cfg.seed)
-        device = model_device_dtype(self.model)[0]
-        self._record("prompts->actor", {"prompt_ids": torch.tensor([len(p) for p in prompt_ids])})
-        gen = engine.generate(prompt_ids, sampling)
-        out = Rollout.from_lists(prompt_ids, gen.completion_ids, tok.pad_token_id, sampling_logprobs=gen.logprobs,
-                                 device=device)
-        out.is_truncated = torch.tensor([r == FINISH_LENGTH for r in gen.finish_reasons], device=device)
-        versions = gen.extra.get("weight_versions") or [gen.weight_version if version is None else version] * len(
-            prompt_ids)
-        out.weight_version = torch.tensor(versions, dtype=torch.long, device=device)
-        out.meta.update(prompts=prompts, completion_ids=gen.completion_ids,
-                        completions=tok.batch_decode(gen.completion_ids, skip_special_tokens=True))
-        self._record("actor->rollout", out.tensor_fields())
-        return out
-
-    def _score(self, out: Rollout, columns: dict[str, list]) -> torch.Tensor:
-        for k, v in columns.items():
-            out.meta[COLUMN_PREFIX + k] = v
-        completions = out.completions
-        if is_conversational(out.prompts[0]):
-            completions = [[{"role": "assistant", "content": c}] for c in completions]
-        per_func = score_reward_funcs(self.reward_funcs, prompts=out.prompts, completions=completions,
-                                      completion_ids=out.meta["completion_ids"], columns=columns)
-        out.rewards = combine_rewards(per_func, self.reward_weights).to(out.device)
-        self._record("reward->rollout", {"rewards": out.rewards})
-        return per_func
-
-    def _actor_logprobs(self, batch: Rollout, with_entropy: bool = False):
-        cfg = self.config
-        return token_logprobs(self.model, batch, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size,
-                              with_entropy=with_entropy)
 
     @torch.no_grad()
     def _reference_logprobs(self, out: Rollout) -> torch.Tensor | None:
         cfg = self.config
-        if self.reference is None:
-            if cfg.kl_coef == 0.0:
-                return None
-            if not is_peft_model(self.model):
-                raise ValueError("kl_coef > 0 needs a reference: pass reference_model= (an id, path or a frozen "
-                                 "copy of the actor), or use a PEFT actor (adapters disabled serve as reference).")
-            with self.model.disable_adapter():
-                return self._actor_logprobs(out)[0]
-        ref = self.reference.get().eval()
-        moved = self._into("reference", ref, out)
+        if cfg.beta == 0.0:
+            return None
+        kw = {"temperature": cfg.temperature if cfg.temperature > 0 else 1.0, "chunk_size": cfg.logprob_chunk_size,
+              "micro_batch": out.batch_size}
+        reference = self._role_engine("reference")
+        if reference is None:
+            return phases.reference_logprobs(None, self.actor_engine, out, **kw)
+        moved = self._into("reference", reference, out)
         self._record("actor->reference", {"input_ids": moved.input_ids, "attention_mask": moved.attention_mask})
-        lp = token_logprobs(ref, moved, temperature=cfg.temperature, chunk_size=cfg.logprob_chunk_size)[0]
+        lp = phases.reference_logprobs(reference, self.actor_engine, moved, **kw)
         self._record("reference->rollout", {"ref_logprobs": lp})
         return lp.to(device=out.device, dtype=torch.float32)
 
-    @torch.no_grad()
-    def _values(self, out: Rollout) -> torch.Tensor | None:
-        if self.critic is None:
-            return None
-        critic = self.critic.get().eval()
-        moved = self._into("critic", critic, out)
-        self._record("actor->critic", {"input_ids": moved.input_ids, "attention_mask": moved.attention_mask})
-        values = token_values(critic, moved)
-        critic.train()
-        self._record("critic->rollout", {"values": values})
-        return values.to(device=out.device, dtype=torch.float32) * out.completion_mask
-
     def _estimator(self) -> str:
-        name = self.config.estimator
+        name = self.config.advantage_estimator
         if name == "auto":
             return "gae" if self.critic is not None else "grpo"
         if name == "gae" and self.critic is None:
-            raise ValueError("estimator 'gae' needs a critic: pass critic_model=, or pick a critic-free estimator "
-                             "('grpo', 'rloo', 'dr_grpo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline').")
+            raise ValueError(f"advantage_estimator 'gae' needs a critic: pass critic_model=, or pick a critic-free "
+                             f"estimator {_CRITIC_FREE}.")
         if name != "gae" and self.critic is not None:
-            raise ValueError(f"estimator {name!r} does not use the critic; set estimator='gae' (or 'auto'), or "
-                             "drop critic_model.")
+            raise ValueError(f"advantage_estimator {name!r} does not use the critic; set advantage_estimator='gae' "
+                             "(or 'auto'), or drop critic_model.")
         return name
 
     def _advantages(self, out: Rollout) -> None:
-        """Fill `advantages` (and `token_rewards` / `returns`) with the configured estimator."""
-        cfg, name = self.config, self._estimator()
+        """Fill `advantages` (and `token_rewards` / `returns`) with the configured estimator, over the
+        data-parallel round."""
+        cfg, name, dims = self.config, self._estimator(), self.dims
         mask = out.completion_mask
-        if name in ("gae", "reinforce_plus_plus"):
+        if name == "gae":
+            from hf_verl.algorithms.estimators import token_level_rewards
+
             out.token_rewards, _ = token_level_rewards(out.rewards, mask)
-        adv, returns = compute_advantages(name, scores=out.rewards, token_rewards=out.token_rewards,
-                                          values=out.values, mask=mask, num_generations=cfg.group_size,
-                                          gamma=cfg.gamma, lam=cfg.gae_lambda)
-        if name == "gae" and cfg.whiten_advantages and mask.sum() > 1:
-            adv = masked_whiten(adv, mask) * mask.to(adv.dtype)
+        adv, returns = phases.advantages(dims, name, scores=out.rewards, mask=mask, num_generations=cfg.num_generations,
+                                         gamma=cfg.gamma, lam=cfg.lam, values=out.values, token_rewards=out.token_rewards,
+                                         scale_rewards=cfg.scale_rewards)
+        if name == "gae" and cfg.whiten_advantages:
+            adv = phases.global_masked_whiten(dims, adv, mask) * mask.to(adv.dtype)
         out.advantages, out.returns = adv, returns
         self._record("advantages->rollout", {"advantages": adv, "returns": returns})
 
@@ -544,8 +570,8 @@ class Trainer:
             "rollout/truncated_frac": out.is_truncated.float().mean().item(),
             "reward/mean": out.rewards.mean().item(),
             "reward/std": out.rewards.std().item() if out.batch_size > 1 else 0.0,
-            "advantages/mean": masked_mean(out.advantages.float(), out.completion_mask).item()
-            if out.advantages.dim() == 2 else out.advantages.mean().item(),
+            "advantages/mean": (out.advantages.float() * out.completion_mask).sum().item()
+            / max(out.num_completion_tokens, 1),
             "memory/peak_mb": peak_memory_mb(out.device),
         }
         for j, func in enumerate(self.reward_funcs):
@@ -558,101 +584,84 @@ class Trainer:
     def compute_loss(self, rollout: Rollout) -> torch.Tensor:
         """The scalar loss of `rollout` (or of a mini-batch from `rollout.split(n)`).
 
-        PPO-clip policy loss, plus `vf_coef` x clipped value loss with a critic, `kl_coef` x KL to
-        the reference, minus `entropy_coef` x entropy. Each term is in the metrics `step` returns.
+        PPO-clip policy loss, plus `vf_coef` x clipped value loss with a critic, `beta` x KL to the
+        reference, minus `entropy_coef` x entropy, aggregated per `loss_type` (the token-mean modes
+        over the tokens of every data-parallel rank). Each term is in the metrics `step` returns.
         """
         cfg = self.config
         with trace(rollout.trace_id or new_trace_id()):
             self._record("rollout->actor", rollout.tensor_fields())
-            self.model.train()
-            mask = rollout.completion_mask
-
-            def agg(per_token: torch.Tensor) -> torch.Tensor:
-                return aggregate_loss(per_token, mask, cfg.loss_type, max_completion_length=cfg.max_new_tokens,
-                                      normalizer=mask.sum().item())
-
-            logp, entropy = self._actor_logprobs(rollout, with_entropy=True)
-            per_token, clip = ppo_clip_loss(logp, rollout.old_logprobs, rollout.advantages, mask, cfg.clip_range)
-            is_weights, m = self._importance_weights(rollout)
-            if is_weights is not None:
-                per_token = per_token * is_weights
-            policy_loss = agg(per_token)
-            loss = policy_loss
-            m.update({"loss/policy": policy_loss.item(), "entropy": masked_mean(entropy.detach(), mask).item(),
-                      "clip_ratio": masked_mean(clip["region_clip"], mask).item()})
-            if cfg.kl_coef > 0:
-                ref = rollout.ref_logprobs if rollout.ref_logprobs is not None else self._reference_logprobs(rollout)
-                kl = agg(kl_penalty(logp, ref, cfg.kl_estimator))
-                loss = loss + cfg.kl_coef * kl
-                m["kl"] = kl.item()
-            if cfg.entropy_coef > 0:
-                loss = loss - cfg.entropy_coef * agg(entropy)
-            if self.critic is not None:
-                value_loss, clip_frac = self._value_loss(rollout)
-                loss = loss + cfg.vf_coef * value_loss.to(loss.device)
-                m.update({"loss/value": value_loss.item(), "value/clip_frac": clip_frac})
+            actor = self.actor_engine
+            actor.train()
+            normalizer = phases.global_token_count(self.dims, rollout.completion_mask) / self.dims.dp_size
+            logp, entropy = actor.logprobs(rollout, temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
+                                           chunk_size=cfg.logprob_chunk_size, with_entropy=True)
+            m: dict[str, Any] = {}
+            if rollout.meta.get("off_policy"):
+                m.update(self._importance_weights(rollout))
+            if cfg.beta > 0 and rollout.ref_logprobs is None:
+                rollout.ref_logprobs = self._reference_logprobs(rollout)
+            policy, st = losses.policy_loss(
+                logp, rollout, clip_low=cfg.epsilon, clip_high=cfg.epsilon_high, loss_type=cfg.loss_type,
+                normalizer=normalizer, max_completion_length=cfg.max_completion_length, kl_coef=cfg.beta,
+                kl_estimator=cfg.kl_estimator, entropy=entropy, entropy_coef=cfg.entropy_coef)
+            parts = [(actor, policy)]
+            loss = policy
+            m.update({"loss/policy": st["policy"].item(), "entropy": st["entropy"].item(),
+                      "clip_ratio": st["clip_region"].item()})
+            if cfg.beta > 0:
+                m["kl"] = st["kl"].item()
+            critic = self._role_engine("critic")
+            if critic is not None:
+                critic.train()
+                moved = self._into("critic", critic, rollout)
+                values = critic.values(moved).float().to(rollout.device)
+                value, vst = losses.value_loss(values, rollout, clip=cfg.cliprange_value, normalizer=normalizer)
+                parts.append((critic, cfg.vf_coef * value))
+                loss = loss + cfg.vf_coef * value
+                m.update({"loss/value": vst["value"].item(), "value/clip_frac": vst["clip_frac"].item()})
             m["loss/total"] = loss.item()
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"the loss is {loss.item()} (terms: {m}).")
-            self._loss_metrics, self._loss_rollout = m, rollout
+            self._loss_metrics, self._loss_rollout, self._loss_parts = m, rollout, (loss, parts)
             logger.info("compute_loss: total %.4f, policy %.4f", m["loss/total"], m["loss/policy"])
         return loss
 
-    def _importance_weights(self, rollout: Rollout) -> tuple[torch.Tensor | None, dict[str, Any]]:
-        """Truncated IS weights of an off-policy rollout (behaviour = the engine's sampling log-probs,
-        target = the actor's old log-probs) and TRL's `sampling/*` metrics; None when on-policy."""
+    def _importance_weights(self, rollout: Rollout) -> dict[str, Any]:
+        """Truncated / masked IS weights of an off-policy rollout (behaviour = the engine's sampling
+        log-probs, target = the actor's old log-probs) into its meta, and TRL's `sampling/*` metrics."""
         cfg = self.config
-        if not rollout.meta.get("off_policy"):
-            return None, {}
-        lp, mask = rollout.sampling_logprobs, rollout.completion_mask.bool()
-        if lp is None or (mask.any() and not torch.isfinite(lp[mask]).any()):
-            if not self._no_logprobs_logged:
-                self._no_logprobs_logged = True
-                logger.info("the rollout engine returned no sampling log-probs: the importance-sampling correction "
-                            "of off-policy rollouts is skipped")
-            return None, {}
-        weights, stats = importance_weights(rollout.old_logprobs, lp, rollout.completion_mask,
-                                            cfg.importance_sampling_mode, cfg.importance_sampling_clip_min,
-                                            cfg.importance_sampling_clip_max)
-        return (weights.detach() if cfg.importance_sampling_correction else None), stats
-
-    def _value_loss(self, rollout: Rollout) -> tuple[torch.Tensor, float]:
-        """Clipped value loss `0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`, token mean."""
-        critic = self.critic.get()
-        critic.train()
-        moved = self._into("critic", critic, rollout)
-        values = token_values(critic, moved).float().to(rollout.device)
-        old, returns, mask = rollout.values, rollout.returns, rollout.completion_mask
-        eps = self.config.value_clip_range
-        clipped = old + (values - old).clamp(-eps, eps)
-        loss_unclipped, loss_clipped = (values - returns).square(), (clipped - returns).square()
-        per_token = 0.5 * torch.max(loss_unclipped, loss_clipped)
-        frac = masked_mean((loss_clipped > loss_unclipped).float(), mask).item()
-        return masked_mean(per_token, mask), frac
-
-    def _optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer | None]:
-        cfg = self.config
-        if self._actor_opt is None:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            self._actor_opt = torch.optim.AdamW(params, lr=cfg.actor_lr, weight_decay=cfg.weight_decay)
-        if self.critic is not None and self._critic_opt is None:
-            params = [p for p in self.critic.get().parameters() if p.requires_grad]
-            self._critic_opt = torch.optim.AdamW(params, lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
-        return self._actor_opt, self._critic_opt
+        stats = phases.attach_importance_weights(
+            rollout, mode=cfg.vllm_importance_sampling_mode, clip_min=cfg.vllm_importance_sampling_clip_min,
+            clip_max=cfg.vllm_importance_sampling_clip_max, correct=cfg.vllm_importance_sampling_correction)
+        if not stats and not getattr(self, "_no_logprobs_logged", False):
+            self._no_logprobs_logged = True
+            logger.info("the rollout engine returned no sampling log-probs: the importance-sampling correction of "
+                        "off-policy rollouts is skipped")
+        return stats
 
     def _on_config_change(self, name: str, old: Any, new: Any) -> None:
-        opt = {"actor_lr": self._actor_opt, "critic_lr": self._critic_opt}.get(name)
-        if opt is not None:
-            for group in opt.param_groups:
-                group["lr"] = new
-        if name == "weight_decay":
+        cfg = self.config
+        if name == "learning_rate":
+            updates = {self._actor_opt: new}
+            if cfg.critic_learning_rate is None:
+                updates[self._critic_opt] = new
+        elif name == "critic_learning_rate":
+            updates = {self._critic_opt: new if new is not None else cfg.learning_rate}
+        elif name == "weight_decay":
             for opt in (self._actor_opt, self._critic_opt):
                 for group in (opt.param_groups if opt is not None else []):
                     group["weight_decay"] = new
+            updates = {}
+        else:
+            updates = {}
+        for opt, lr in updates.items():
+            for group in (opt.param_groups if opt is not None else []):
+                group["lr"] = lr
         logger.info("config.%s: %r -> %r (takes effect at the next rollout / step)", name, old, new)
 
     def step(self, loss: torch.Tensor) -> dict[str, Any]:
-        """Backward `loss`, clip gradients, step the actor (and critic) optimizers, sync weights.
+        """Backward `loss` through each role's engine, clip, step the actor (and critic), sync weights.
 
         Returns:
             `dict`: the metrics of the last `compute_loss`, of its rollout, gradient norms,
@@ -663,38 +672,44 @@ class Trainer:
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 raise ValueError("step() needs the loss tensor returned by compute_loss (with its graph).")
             self._record("compute_loss->step", {"loss": loss})
-            actor_opt, critic_opt = self._optimizers()
-            loss.backward()
+            self._backward(loss)
             m: dict[str, Any] = dict(rollout.metrics) if rollout is not None else {}
             m.update(self._loss_metrics)
-            m["grad_norm/actor"] = self._clip_and_step(actor_opt)
-            m["lr/actor"] = actor_opt.param_groups[0]["lr"]
-            if critic_opt is not None:
-                m["grad_norm/critic"] = self._clip_and_step(critic_opt)
-                m["lr/critic"] = critic_opt.param_groups[0]["lr"]
+            cfg = self.config
+            m["grad_norm/actor"] = self.actor_engine.step(cfg.max_grad_norm)
+            m["lr/actor"] = self._actor_opt.param_groups[0]["lr"]
+            critic = self._role_engine("critic")
+            if critic is not None:
+                m["grad_norm/critic"] = critic.step(cfg.max_grad_norm)
+                m["lr/critic"] = self._critic_opt.param_groups[0]["lr"]
             self.global_step += 1
             if self._prefetcher.busy(self.engine):  # never while it generates: synced before its next generation
                 self._sync_deferred = True
             else:
                 self._sync_engine()
             m.update({"weight_version": self.engine.weight_version, "step": self.global_step, "trace_id": trace_id})
-            self._loss_metrics, self._loss_rollout = {}, None
+            self._loss_metrics, self._loss_rollout, self._loss_parts = {}, None, None
             logger.info("step %d: grad_norm/actor %.4f, weight_version %d", self.global_step,
                         m["grad_norm/actor"], m["weight_version"])
         return m
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Each role's part of the loss `compute_loss` returned goes back through its own engine (a
+        DeepSpeed engine must run its own backward); any other loss tensor is backpropagated as is."""
+        if self._loss_parts is not None and loss is self._loss_parts[0]:
+            for engine, part in self._loss_parts[1]:
+                engine.backward(part)
+            return
+        if any(e.backend.kind == "deepspeed" for e in self._engines.values()):
+            raise ValueError("with DeepSpeed, step() needs the very loss compute_loss returned (each role "
+                             "backpropagates through its own engine); add your own terms inside a custom loss "
+                             "only with DDP or FSDP2.")
+        loss.backward()
+
     def _sync_engine(self) -> None:
         """Bring the engine to the actor's weights: a version bump for an engine on the actor itself,
-        else the actor's HF-named full weights streamed in buckets (PEFT adapters merged, as the
-        trainers sync vLLM and servers)."""
-        if shares_actor_weights(self.engine, self.model):
-            self.engine.sync_weights(self.model.named_parameters())  # its own tensors: nothing is copied
-        else:
-            from hf_verl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_weight_buckets
-
-            bucket_bytes = getattr(self.engine, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
-            self.engine.sync_weights(pair for bucket in iter_weight_buckets(self.model, bucket_bytes)
-                                     for pair in bucket)
+        else the actor's HF-named full weights streamed in buckets (PEFT adapters merged)."""
+        sync_weights(self.actor_engine, self.engine)
         self._engine_step, self._sync_deferred = self.global_step, False
 
     def _sync_deferred_weights(self) -> None:
@@ -714,11 +729,3 @@ class Trainer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def _clip_and_step(self, opt: torch.optim.Optimizer) -> float:
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        max_norm = self.config.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(norm)

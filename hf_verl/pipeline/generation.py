@@ -20,11 +20,20 @@ from hf_verl.rewards.callables import score_reward_funcs
 from hf_verl.rollout.base import FINISH_LENGTH, GenerationOutput, RolloutEngine, SamplingParams
 
 
+def row_seeds(seed: int, round_index: int, dp_rank: int, dp_size: int, rows: int) -> list[int]:
+    """One sampling seed per row of a data-parallel rank's part of rollout round `round_index`, from the
+    row's place in the global round (ranks hold consecutive slices): the same global round samples the
+    same completions on one process or split over several, in any front-end."""
+    first = (round_index * dp_size + dp_rank) * rows
+    return [seed * 1_000_003 + first + i for i in range(rows)]
+
+
 def batch_from_output(prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Any], out: GenerationOutput,
-                      tokenizer: Any, device: torch.device | str, *, version: int | None = None) -> RolloutBatch:
-    """A validated batch of `out`'s completions; texts and ids go to `meta` (`prompts`, `prompt_ids`,
-    `completions`, `completion_ids`). `version` overrides the engine's weight version (a copy's)."""
-    batch = RolloutBatch.from_lists(prompt_ids, out.completion_ids, tokenizer.pad_token_id,
+                      tokenizer: Any, device: torch.device | str, *, version: int | None = None,
+                      batch_cls: type[RolloutBatch] = RolloutBatch) -> RolloutBatch:
+    """A validated batch (of `batch_cls`) of `out`'s completions; texts and ids go to `meta` (`prompts`,
+    `prompt_ids`, `completions`, `completion_ids`). `version` overrides the engine's weight version."""
+    batch = batch_cls.from_lists(prompt_ids, out.completion_ids, tokenizer.pad_token_id,
                                     sampling_logprobs=out.logprobs, device=device)
     batch.is_truncated = torch.tensor([r == FINISH_LENGTH for r in out.finish_reasons], device=batch.device)
     versions = out.extra.get("weight_versions") or [out.weight_version if version is None else version] * len(
@@ -38,11 +47,12 @@ def batch_from_output(prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Any
 
 def generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Any],
              sampling: SamplingParams, tokenizer: Any, device: torch.device | str, *,
-             row_seeds: Sequence[int] | None = None, version: int | None = None) -> RolloutBatch:
+             row_seeds: Sequence[int] | None = None, version: int | None = None,
+             batch_cls: type[RolloutBatch] = RolloutBatch) -> RolloutBatch:
     """Generate one completion per prompt on `engine` (see :meth:`RolloutEngine.generate`)."""
     kwargs = {} if row_seeds is None else {"row_seeds": list(row_seeds)}
     out = engine.generate(prompt_ids, sampling, **kwargs)
-    return batch_from_output(prompt_ids, prompts, out, tokenizer, device, version=version)
+    return batch_from_output(prompt_ids, prompts, out, tokenizer, device, version=version, batch_cls=batch_cls)
 
 
 def score_texts(reward_funcs: Sequence[Any], prompts: Sequence[Any], completions: Sequence[str],

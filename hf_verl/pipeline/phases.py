@@ -129,6 +129,7 @@ def attach_importance_weights(batch: RolloutBatch, *, mode: str, clip_min: float
     """Compare the engine's sampling log-probs with the actor's old ones; with `correct`, put the
     truncated / masked importance weights into `batch.meta["is_weights"]`. Returns TRL's
     `sampling/*` metrics (empty when the engine gave no log-probs)."""
+    batch.meta.pop("is_weights", None)  # weights of an earlier call (other settings) never linger
     lp, mask = batch.sampling_logprobs, batch.completion_mask.bool()
     if lp is None or batch.old_logprobs is None or (mask.any() and not torch.isfinite(lp[mask]).any()):
         return {}

@@ -18,27 +18,9 @@ from typing import Any
 import torch
 
 from hf_verl.data.prompts import is_conversational
+from hf_verl.hub import check_resolvable
 
 logger = logging.getLogger(__name__)
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-
-
-def check_resolvable(model_id: str) -> None:
-    """Fail fast if `model_id` is neither a local folder nor (when offline) in the Hub cache."""
-    if os.path.isdir(model_id):
-        return
-    if _offline():
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(model_id, "config.json"), str):
-            raise ValueError(
-                f"reward model {model_id!r} is not a local folder and is not in the Hub cache "
-                f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}), and HF_HUB_OFFLINE is set. "
-                "Download it first (huggingface-cli download) or pass a local path."
-            )
 
 
 class RewardModelScorer:
@@ -51,6 +33,8 @@ class RewardModelScorer:
         batch_size (`int`, defaults to 16): texts scored per forward pass.
         model_init_kwargs (`dict`, *optional*): extra `from_pretrained` kwargs.
         trust_remote_code (`bool`, defaults to `False`): allow Hub code (off unless asked).
+        defer_check (`bool`, defaults to `False`): check that an id resolves offline at the first call
+            instead of here (a role facade builds offline and loads on first use).
 
     Called as a TRL reward function: `scorer(prompts=..., completions=..., **columns)` returns one
     float per sample.
@@ -65,9 +49,10 @@ class RewardModelScorer:
         batch_size: int = 16,
         model_init_kwargs: dict | None = None,
         trust_remote_code: bool = False,
+        defer_check: bool = False,
     ) -> None:
-        if isinstance(model, str):
-            check_resolvable(model)
+        if isinstance(model, str) and not defer_check:
+            check_resolvable("reward", model)
         self._source = model
         self._model = None if isinstance(model, str) else model
         self._tokenizer = tokenizer
@@ -82,6 +67,7 @@ class RewardModelScorer:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if self._model is None:
+            check_resolvable("reward", self._source)
             logger.info("loading reward model %s", self._source)
             self._model = AutoModelForSequenceClassification.from_pretrained(
                 self._source, num_labels=1, trust_remote_code=self._trust_remote_code,
@@ -122,3 +108,37 @@ class RewardModelScorer:
             ).to(device)
             scores.extend(self._model(**enc).logits[:, 0].float().tolist())
         return scores
+
+
+def resolve_reward_sources(sources: Any, processing_classes: Any = None, *, defer_checks: bool = False) -> list:
+    """One reward function per source: callables stay, ids / paths / models become :class:`RewardModelScorer`.
+
+    Args:
+        sources: a reward function (TRL's convention), a reward model (Hub id, path or
+            `AutoModelForSequenceClassification`), or a list of them.
+        processing_classes: the reward models' tokenizers: one for all, or a list aligned with `sources`
+            (None entries load the model's own).
+        defer_checks (`bool`): check ids at the first call rather than now (nothing is loaded either way).
+
+    Raises:
+        ValueError / TypeError: no source, a misaligned tokenizer list, or a source of another kind.
+    """
+    import os
+
+    funcs = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    if not funcs:
+        raise ValueError("no reward source: pass at least one reward function or reward model.")
+    tokenizers = (list(processing_classes) if isinstance(processing_classes, (list, tuple))
+                  else [processing_classes] * len(funcs))
+    if len(tokenizers) != len(funcs):
+        raise ValueError(f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward sources.")
+    out = []
+    for func, tok in zip(funcs, tokenizers):
+        if isinstance(func, (str, os.PathLike)):
+            func = RewardModelScorer(os.fspath(func), tok, defer_check=defer_checks)
+        elif isinstance(func, torch.nn.Module):
+            func = RewardModelScorer(func, tok)
+        elif not callable(func):
+            raise TypeError(f"reward source {func!r} is neither a callable nor a reward model id, path or object.")
+        out.append(func)
+    return out

@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import torch
 from torch.utils.data import Sampler
-from transformers import PreTrainedModel, Trainer
+from transformers import Trainer
 
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, pretokenized_prompts, tokenize_prompts
@@ -35,30 +35,12 @@ from hf_verl.pipeline import generation, phases
 from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
 from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
 from hf_verl.rewards.callables import combine_rewards, reward_func_name
-from hf_verl.rewards.reward_model import RewardModelScorer
+from hf_verl.rewards.reward_model import resolve_reward_sources
 from hf_verl.rollout.base import RolloutEngine, SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
 
 logger = logging.getLogger(__name__)
-
-
-def build_reward_funcs(reward_funcs, processing_classes) -> list:
-    """Normalise reward sources: callables stay; ids, paths and models become reward-model scorers."""
-    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    if not funcs:
-        raise ValueError("no reward source: pass at least one reward function or reward model.")
-    tokenizers = processing_classes if isinstance(processing_classes, list) else [processing_classes] * len(funcs)
-    if len(tokenizers) != len(funcs):
-        raise ValueError(f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward sources.")
-    out = []
-    for f, tok in zip(funcs, tokenizers):
-        if isinstance(f, (str, PreTrainedModel)):
-            f = RewardModelScorer(f, tok)
-        elif not callable(f):
-            raise TypeError(f"reward function {f!r} is neither callable nor a reward model id/path/model.")
-        out.append(f)
-    return out
 
 
 class OnPolicyTrainer(EngineTrainerMixin, Trainer):
@@ -72,7 +54,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             model.config.use_cache = False
         if train_dataset is not None and "input_ids" not in (train_dataset.column_names or []):
             check_prompt_column(train_dataset.column_names)
-        self.reward_funcs = build_reward_funcs(reward_funcs, reward_processing_classes)
+        self.reward_funcs = resolve_reward_sources(reward_funcs, reward_processing_classes)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
         backend, dims = launch_layout(args.world_size)
         if ref_model is None and need_reference and not is_peft:
@@ -177,8 +159,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         it is split over ranks."""
         if not getattr(self.args, "per_row_sampling_seed", False):
             return None
-        first = (g * self.dims.dp_size + self.dims.dp_rank) * n
-        return [self.args.seed * 1_000_003 + first + i for i in range(n)]
+        return generation.row_seeds(self.args.seed, g, self.dims.dp_rank, self.dims.dp_size, n)
 
     # ------------------------------------------------------------------ rollout phases
     def _sync_engine(self) -> None:
