@@ -1,9 +1,9 @@
 """Train the demo model (reverse 5-letter strings) with a hand-written loop over `hf_verl.Trainer`.
 
 GRPO (no critic), lr 5e-4, 16 prompts x 8 generations, 6 new tokens, temperature 1.0, 300 steps,
-after the demo's supervised warm-up, with the default asynchronous rollout: each `rollout()` hands
-out the rollout generated in the background during the previous step (staleness 1, importance-
-sampling corrected). Run: `python examples/custom_loop.py` (CPU, about 1 minute on 2 cores).
+after the demo's supervised warm-up, with asynchronous rollout on: each `rollout()` hands out the
+rollout generated in the background during the previous step (staleness 1, importance-sampling
+corrected). Run: `python examples/custom_loop.py` (CPU, about 1 minute on 2 cores).
 """
 
 import torch
@@ -20,7 +20,8 @@ before = greedy_accuracy(model, tok, split.heldout_prompts, split.heldout_answer
 
 trainer = Trainer(actor_model=model, reward_model=reverse_reward, tokenizer=tok,
                   dataset=[{"prompt": p, "answer": a} for p, a in zip(split.train_prompts, split.train_answers)],
-                  config=dict(actor_lr=5e-4, rollout_batch_size=16, group_size=8, max_new_tokens=6, temperature=1.0))
+                  config=dict(learning_rate=5e-4, rollout_batch_size=16, num_generations=8, max_completion_length=6,
+                              temperature=1.0, use_async_rollout=True))
 for step in range(300):
     rollout = trainer.rollout()                 # draws 16 prompts from the dataset
     metrics = trainer.step(trainer.compute_loss(rollout))

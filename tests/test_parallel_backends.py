@@ -2,11 +2,11 @@
 
 Each backend runs `tests/distributed/parity.py` under its shipped CPU accelerate config with 2 real
 processes on gloo; the baseline is the same script in one process. GRPO, PPO (critic and reference
-included) and DPO each train 3 steps; the logged losses and the final weights (actor, critic) must
+included), DPO and the role facade's loop (critic and reference) each train 3 steps; the logged losses and the final weights (actor, critic) must
 match the baseline, the trainer must report the backend it was asked for, its parameters must really
 be sharded (DTensor for FSDP2, partitioned for ZeRO-3), and the sharded weight export must equal the
-unsharded initial weights. Tolerance: losses 1e-5 relative, weights 2e-5 absolute (fp32, AdamW
-lr 1e-3; measured differences are below 3e-6).
+unsharded initial weights. Tolerance: losses 1e-5 relative or 1e-6 absolute, weights 2e-5 absolute
+(fp32, AdamW lr 1e-3; measured: losses within 2e-7, weights within 4e-6).
 """
 
 import json
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 BACKENDS = {"ddp": ("ddp", "Parameter"), "fsdp2": ("fsdp2", "DTensor"), "zero2": ("deepspeed ZeRO-2", "Parameter"),
             "zero3": ("deepspeed ZeRO-3", "Parameter")}
 _PORTS = iter(range(29700, 29800))
+ALGOS = ("grpo", "ppo", "dpo", "facade")
 
 
 def _env(**extra):
@@ -44,7 +45,7 @@ def _launch(config: str, algo: str, out: Path, **env):
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory):
     out = {}
-    for algo in ("grpo", "ppo", "dpo"):
+    for algo in ALGOS:
         path = tmp_path_factory.mktemp(f"{algo}-single")
         proc = subprocess.run([sys.executable, "-m", "tests.distributed.parity", algo, str(path)], cwd=ROOT,
                               env=_env(), capture_output=True, text=True, timeout=600)
@@ -59,7 +60,7 @@ def _weights(path: Path, sub: str) -> dict:
 
 @pytest.mark.optional_backend
 @pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("algo", ["grpo", "ppo", "dpo"])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_sharded_run_equals_one_process(baselines, tmp_path, backend, algo):
     if backend.startswith("zero"):
         pytest.importorskip("deepspeed")
@@ -70,12 +71,13 @@ def test_sharded_run_equals_one_process(baselines, tmp_path, backend, algo):
     label, param_type = BACKENDS[backend]
     assert (got["backend"], got["world"], got["dp_size"]) == (label, 2, 2)
     assert got["param_type"] == param_type and got["zero3_partitioned"] == (backend == "zero3")
-    assert got["export_names_match"] and got["export_max_error"] == 0.0
+    if algo != "facade":  # the trainers also export their sharded weights before training
+        assert got["export_names_match"] and got["export_max_error"] == 0.0
     assert len(got["losses"]) == 3
-    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-7)
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
     for key, values in want["extra"].items():
         assert got["extra"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
-    for sub in ([""] + (["critic"] if algo == "ppo" else [])):
+    for sub in ([""] + (["critic"] if algo in ("ppo", "facade") else [])):
         a, b = _weights(baselines[algo], sub), _weights(tmp_path, sub)
         assert set(a) == set(b)
         worst = max((a[k] - b[k]).abs().max().item() for k in a)

@@ -155,6 +155,14 @@ class AccelerateEngine(TrainingEngine):
         self._release_after_forward(values)
         return values.squeeze(-1)
 
+    def forward(self, **kwargs: Any) -> Any:
+        """The model's own forward through :attr:`module` (a frozen role such as a reward model); an
+        FSDP2 root gathered by a forward without backward is resharded afterwards."""
+        out = self.module(**kwargs)
+        if self.backend.kind == "fsdp2" and not torch.is_grad_enabled():
+            release_root(self._model)
+        return out
+
     # ------------------------------------------------------------------ training
     def train(self, mode: bool = True) -> None:
         self.module.train(mode and self.trainable)

@@ -44,6 +44,7 @@ from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
 from hf_verl.parallel.capabilities import parallelism_report, supported_parallelisms
 from hf_verl.pipeline import generation, losses, phases
 from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
+from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
 from hf_verl.rewards.callables import combine_rewards, reward_func_name
 from hf_verl.rewards.reward_model import resolve_reward_sources
@@ -113,6 +114,7 @@ class Trainer:
         self._rounds = 0  # rollouts generated so far: the round index of per-row sampling seeds
         self._layout = None  # (backend, dims, accelerator), decided on first use
         self._engines: dict[str, AccelerateEngine] = {}
+        self._sharded_rewards = 0
         self._actor_opt: torch.optim.Optimizer | None = None
         self._critic_opt: torch.optim.Optimizer | None = None
         self._moves_logged: set[str] = set()
@@ -207,6 +209,11 @@ class Trainer:
             self._engines[name] = engine
             if name != "reference":
                 self._attach_optimizer(name, engine)
+            if name == "actor":  # reward models shard with the policy; loading them is a main-thread step
+                self._sharded_rewards = place_reward_models(
+                    self.reward_funcs, backend, async_rollout=self.config.use_async_rollout,
+                    make_engine=lambda m: AccelerateEngine(m, role="reward", dims=dims, backend=backend,
+                                                           accelerator=accelerator, trainable=False))
         return self._engines[name]
 
     def _attach_optimizer(self, name: str, engine: AccelerateEngine) -> None:
@@ -388,6 +395,9 @@ class Trainer:
 
     def _submit(self, batch: Any) -> Pending:
         """Start generating `batch` in the background (rows drawn and tokenized here, on the main thread)."""
+        if self._sharded_rewards:
+            raise ValueError("reward models are sharded with the policy (FSDP2 / ZeRO-3) and score on the main "
+                             "thread: set config.use_async_rollout = False.")
         prompts, columns = self._prompts(batch)
         prompt_ids, num_truncated = self._tokenize(prompts)
         actor = self.actor_engine
@@ -716,6 +726,18 @@ class Trainer:
         """The weight sync `step()` deferred while a generation ran on the engine, applied now."""
         if self._sync_deferred:
             self._sync_engine()
+
+    def save_pretrained(self, output_dir: str) -> None:
+        """Save the actor (whole HF weights and its tokenizer) to `output_dir` and the critic to
+        `output_dir/critic`, gathering sharded layouts; call it on every rank (the main rank writes)."""
+        import os
+
+        self.actor_engine.save_pretrained(output_dir)
+        if self.dims.is_main:
+            self.tokenizer.save_pretrained(output_dir)
+        critic = self._role_engine("critic")
+        if critic is not None:
+            critic.save_pretrained(os.path.join(output_dir, "critic"))
 
     def close(self) -> None:
         """Stop the background rollout worker (a generation in flight finishes first), drop prefetched

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +62,18 @@ class RewardModelScorer:
         self._trust_remote_code = trust_remote_code
         name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.__name__ = str(name).rstrip("/").split("/")[-1]
+        self._forward: Callable[..., Any] | None = None  # set by `place`: the (sharded) module to run
+
+    @property
+    def model(self) -> Any:
+        """The reward model (loaded on first use)."""
+        if self._model is None:
+            self._load()
+        return self._model
+
+    def place(self, forward: Callable[..., Any]) -> None:
+        """Run the model through `forward(**encoded) -> outputs` (a sharded engine's) instead of directly."""
+        self._forward = forward
 
     def _load(self) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -106,7 +118,8 @@ class RewardModelScorer:
                 texts[i : i + self.batch_size], return_tensors="pt", padding=True,
                 padding_side="right", add_special_tokens=False,
             ).to(device)
-            scores.extend(self._model(**enc).logits[:, 0].float().tolist())
+            out = (self._forward or self._model)(**enc)
+            scores.extend(out.logits[:, 0].float().tolist())
         return scores
 
 

@@ -33,6 +33,7 @@ from hf_verl.data.samplers import RepeatGroupSampler
 from hf_verl.parallel import comm
 from hf_verl.pipeline import generation, phases
 from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
+from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
 from hf_verl.rewards.callables import combine_rewards, reward_func_name
 from hf_verl.rewards.reward_model import resolve_reward_sources
@@ -72,6 +73,9 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         self._init_engines(backend, dims)
         self.reference = None if self.ref_model is None else self._make_engine(self.ref_model, "reference",
                                                                                trainable=False)
+        place_reward_models(self.reward_funcs, self.backend,
+                            lambda m: self._make_engine(m.to(device), "reward", trainable=False),
+                            async_rollout=getattr(args, "use_async_rollout", False))
         engine_model = self.actor.model if replica is None else replica.to(device)
         self.engine: RolloutEngine = TransformersEngine(engine_model, processing_class)
         self._metrics: dict[str, list[float]] = defaultdict(list)

@@ -1,5 +1,6 @@
 """Three training steps of GRPO, PPO (with a critic and a reference) or DPO on one global batch.
 
+ALGO "facade" runs the role facade's loop (critic, reference) instead of a trainer.
 Run alone (`python -m tests.distributed.parity ALGO OUT`) it is the single-process baseline; run
 under `accelerate launch --config_file configs/accelerate/<backend>_cpu.yaml` it trains the same
 global batch split over 2 processes on that backend. The main rank writes `OUT/result.json` (the
@@ -52,7 +53,10 @@ def build(algo, out, world, tok):
 
         args = GRPOConfig(num_generations=4, max_completion_length=6, beta=0.05, temperature=1.0,
                           per_row_sampling_seed=True, **common(out, world))
-        return GRPOTrainer(model=tiny_qwen2(tok), reward_funcs=count_a, args=args,
+        # a reward model object beside the rule: sharded with the policy under FSDP2 / ZeRO-3
+        reward_model = tiny_qwen2(tok, "Qwen2ForSequenceClassification", seed=2, num_labels=1)
+        return GRPOTrainer(model=tiny_qwen2(tok), reward_funcs=[count_a, reward_model], args=args,
+                           reward_processing_classes=[None, tok],
                            train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
     if algo == "ppo":
         from hf_verl import PPOConfig, PPOTrainer
@@ -70,6 +74,29 @@ def build(algo, out, world, tok):
     return DPOTrainer(model=tiny_qwen2(tok), args=args, train_dataset=Dataset.from_dict(pairs), processing_class=tok)
 
 
+def facade_run(out, world, tok, rank):
+    """The facade's loop with a critic (GAE) and a KL reference, on this rank's slice of each global batch."""
+    from hf_verl import Trainer
+    from hf_verl.parallel import comm
+
+    prompts = ["abc", "xyz", "hello", "ab", "b", "cc"]
+    facade = Trainer(actor_model=tiny_qwen2(tok), reference_model=tiny_qwen2(tok),
+                     critic_model=tiny_qwen2(tok, "Qwen2ForSequenceClassification", seed=1, num_labels=1),
+                     reward_model=count_a, tokenizer=tok,
+                     config=dict(num_generations=4, max_completion_length=6, beta=0.05, learning_rate=1e-3,
+                                 critic_learning_rate=2e-3, seed=11, per_row_sampling_seed=True))
+    per_rank = 2 // world
+    losses, values = [], []
+    for step in range(3):
+        batch = prompts[2 * step : 2 * step + 2][rank * per_rank : (rank + 1) * per_rank]
+        loss = facade.compute_loss(facade.rollout(batch))
+        losses.append(comm.reduce(facade.dims, loss.detach().reshape(1), "mean").item())
+        values.append(comm.reduce(facade.dims, torch.tensor([facade._loss_metrics["loss/value"]]), "mean").item())
+        facade.step(loss)
+    facade.save_pretrained(os.path.join(out, "final"))
+    return facade, losses, {"loss/value_avg": values, "reward": [], "rewards/chosen": []}
+
+
 def export_error(trainer, initial):
     """Largest |exported - initial| over the actor's weights (before any step), on the main rank."""
     trainer.create_optimizer()  # DeepSpeed partitions the model when it gets its optimizer
@@ -85,6 +112,17 @@ def export_error(trainer, initial):
 def main(algo: str, out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = build_char_tokenizer()
+    if algo == "facade":
+        facade, losses, extra = facade_run(out, world, tok, int(os.environ.get("RANK", "0")))
+        engine = facade.actor_engine
+        if facade.dims.is_main:
+            param = next(engine.model.parameters())
+            with open(os.path.join(out, "result.json"), "w") as f:
+                json.dump({"losses": losses, "extra": extra, "backend": engine.backend.label,
+                           "world": facade.dims.world_size, "dp_size": facade.dims.dp_size,
+                           "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
+                           "export_max_error": 0.0, "export_names_match": True}, f)
+        return
     trainer = build(algo, out, world, tok)
     initial = {k: v.detach().clone() for k, v in tiny_qwen2(tok).state_dict().items()}
     err, same_names = export_error(trainer, initial)
