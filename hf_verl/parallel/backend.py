@@ -16,7 +16,7 @@ launched processes that never joined a process group.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -126,11 +126,15 @@ def resolve_backend(world_size: int, process_group_ready: bool) -> BackendSpec:
             "config and ACCELERATE_USE_CPU=1 in the environment (or use_cpu=True in the training config); "
             "hf_verl then applies FSDP2 / DeepSpeed itself over gloo. See docs/parallel.md."
         )
-    if spec.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise ImportError(
-            f"the launch asks for DeepSpeed ({spec.source}) but deepspeed is not installed: "
-            "`pip install hf_verl[deepspeed]`, or launch with a DDP / FSDP2 config."
-        )
+    if spec.kind == "deepspeed":
+        try:
+            importlib.import_module("deepspeed")
+        except Exception as err:  # missing, or installed for another accelerator / CUDA
+            raise ImportError(
+                f"the launch asks for DeepSpeed ({spec.source}) but deepspeed does not import ({type(err).__name__}: "
+                f"{err}): `pip install hf_verl[deepspeed]` (DS_ACCELERATOR=cpu on a CPU machine), or launch with "
+                "a DDP / FSDP2 config."
+            ) from err
     if spec.kind in ("fsdp2", "deepspeed") and world_size == 1:
         logger.info("%s requested with a single process: nothing to shard over, training without it", spec.label)
         return BackendSpec(source=f"{spec.source}, one process")

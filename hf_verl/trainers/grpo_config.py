@@ -35,7 +35,7 @@ class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArg
     Generation: `num_generations` completions per prompt, of at most `max_completion_length`
     tokens, sampled with `temperature`/`top_p`/`top_k`/`min_p`/`repetition_penalty`. One
     generation batch of `generation_batch_size` completions (default: per-device batch x
-    processes x `steps_per_generation`) is scored, turned into advantages and consumed over
+    data-parallel ranks x `steps_per_generation`) is scored, turned into advantages and consumed over
     `steps_per_generation` optimizer steps, `num_iterations` times. Loss: PPO clip with
     `epsilon`/`epsilon_high`, a k3 KL term weighted by `beta`, aggregated per `loss_type`.
     """
@@ -111,7 +111,7 @@ class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArg
         self._resolve_generation_batch()
 
     def _resolve_generation_batch(self) -> None:
-        global_batch = self.per_device_train_batch_size * self.world_size
+        global_batch = self.per_device_train_batch_size * self.data_parallel_size
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
             raise ValueError("set generation_batch_size or steps_per_generation, not both.")
         if self.generation_batch_size is None:
@@ -128,7 +128,7 @@ class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArg
         if self.generation_batch_size % self.num_generations:
             raise ValueError(
                 f"generation batch size {self.generation_batch_size} (per_device_train_batch_size="
-                f"{self.per_device_train_batch_size} x {self.world_size} processes x "
+                f"{self.per_device_train_batch_size} x {self.data_parallel_size} data-parallel ranks x "
                 f"steps_per_generation={self.steps_per_generation}) is not divisible by "
                 f"num_generations={self.num_generations}; change one of them."
             )

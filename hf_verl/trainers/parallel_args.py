@@ -21,6 +21,14 @@ logger = logging.getLogger(__name__)
 class ParallelArguments:
     """Mixed into the trainer configs (after `TrainingArguments.__post_init__` has run)."""
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks of this launch, from :class:`~hf_verl.parallel.dims.ParallelDims` (the
+        processes not taken by sequence / tensor / pipeline parallelism): global batch sizes count them."""
+        from hf_verl.parallel.dims import ParallelDims
+
+        return ParallelDims.data_parallel(self.world_size, self.process_index, shard=False).dp_size
+
     def _take_over_deepspeed(self) -> None:
         if getattr(self, "deepspeed_plugin", None) is None:
             return

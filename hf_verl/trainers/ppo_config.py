@@ -125,7 +125,7 @@ class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArgu
 
     @property
     def batch_size(self) -> int:
-        return self.local_batch_size * self.world_size
+        return self.local_batch_size * self.data_parallel_size
 
     @property
     def local_mini_batch_size(self) -> int:
@@ -133,11 +133,11 @@ class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArgu
 
     @property
     def mini_batch_size(self) -> int:
-        return self.local_mini_batch_size * self.world_size
+        return self.local_mini_batch_size * self.data_parallel_size
 
     @property
     def micro_batch_size(self) -> int:
-        return self.per_device_train_batch_size * self.world_size
+        return self.per_device_train_batch_size * self.data_parallel_size
 
     # names the shared on-policy machinery reads
     @property

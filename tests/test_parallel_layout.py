@@ -1,0 +1,185 @@
+"""ParallelDims, the backend a launch asks for, DeepSpeed configs and the engine's forward primitives
+(single process; the multi-process behaviour is tests/test_parallel_backends.py)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_verl.parallel.backend import BackendSpec, requested_backend, resolve_backend
+from hf_verl.parallel.dims import ParallelDims
+from tests.conftest import build_char_tokenizer
+
+LAUNCH_ENV = ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS",
+              "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+              "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE")
+
+
+@pytest.fixture
+def launch_env(monkeypatch):
+    for name in LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+# ---------------------------------------------------------------------- ParallelDims
+def test_data_parallel_rank_follows_the_mesh_order():
+    # pp x dp_replicate x dp_shard x sp x tp = 1 x 2 x 2 x 1 x 2: tensor-parallel neighbours share a dp rank
+    ranks = [ParallelDims(dp_replicate=2, dp_shard=2, tp=2, world_size=8, rank=r) for r in range(8)]
+    assert [d.dp_rank for d in ranks] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert {d.dp_size for d in ranks} == {4} and [d.coordinates["tp"] for d in ranks] == [0, 1] * 4
+    assert ranks[5].coordinates == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "sp": 0, "tp": 1}
+    assert ranks[0].enabled == ["dp_replicate", "dp_shard", "tp"] and ranks[0].is_main and not ranks[1].is_main
+
+
+def test_layouts_that_do_not_fit_the_world_are_refused_naming_the_numbers():
+    with pytest.raises(ValueError, match=r"dp_shard=2 x sp=1 x tp=2 = 4 processes does not match the 2 launched"):
+        ParallelDims(dp_shard=2, tp=2, world_size=2)
+    with pytest.raises(ValueError, match="ParallelDims.sp must be an int >= 1"):
+        ParallelDims(sp=0)
+    with pytest.raises(ValueError, match="rank 2 is outside a world of 2"):
+        ParallelDims(dp_shard=2, world_size=2, rank=2)
+    with pytest.raises(ValueError, match=r"3 processes cannot be split .* 2 x 1 x 1 = 2; launch a multiple of 2"):
+        ParallelDims.data_parallel(3, 0, shard=True, tp=2)
+    dims = ParallelDims.data_parallel(4, 3, shard=True, sp=2)
+    assert (dims.dp_shard, dims.dp_replicate, dims.dp_rank, dims.sp_rank) == (2, 1, 1, 1)
+
+
+def test_a_single_process_needs_no_process_group():
+    dims = ParallelDims()
+    assert dims.dp_group is None and dims.dp_size == 1 and not dims.is_distributed
+    from hf_verl.parallel import comm
+
+    x = torch.arange(6.0).view(2, 3)
+    assert comm.gather_rows(dims, x) is x and comm.reduce(dims, x, "mean") is x
+    assert torch.equal(comm.local_rows(dims, x, 2), x)
+    with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
+        ParallelDims(dp_shard=2, world_size=2).mesh  # noqa: B018
+
+
+# ---------------------------------------------------------------------- the backend a launch asks for
+def test_backend_from_the_accelerate_launch_environment(launch_env, tmp_path):
+    assert requested_backend(1).kind == "plain" and requested_backend(2).kind == "ddp"
+    launch_env.setenv("ACCELERATE_USE_FSDP", "true")
+    launch_env.setenv("FSDP_VERSION", "2")
+    launch_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    spec = requested_backend(2)
+    assert (spec.kind, spec.reshard_after_forward, spec.partitions_parameters, spec.shards) == ("fsdp2", False, True, True)
+    launch_env.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match=r"FSDP version 1 \(`fsdp_config.fsdp_version`\).*set `fsdp_version: 2`"):
+        requested_backend(2)
+    launch_env.delenv("ACCELERATE_USE_FSDP")
+    launch_env.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    launch_env.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    spec = requested_backend(2)
+    assert (spec.label, spec.partitions_parameters) == ("deepspeed ZeRO-2", False)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}))
+    launch_env.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(config))
+    spec = requested_backend(2)
+    assert (spec.label, spec.config_file, spec.partitions_parameters) == ("deepspeed ZeRO-3", str(config), True)
+
+
+def test_what_the_machine_cannot_give_fails_at_once(launch_env):
+    launch_env.setenv("ACCELERATE_USE_FSDP", "true")
+    launch_env.setenv("FSDP_VERSION", "2")
+    with pytest.raises(RuntimeError, match=r"2 processes were launched .* did not join a process group.*use_cpu"):
+        resolve_backend(2, process_group_ready=False)
+    assert resolve_backend(1, process_group_ready=False).kind == "plain"  # nothing to shard over
+    assert resolve_backend(2, process_group_ready=True).kind == "fsdp2"
+
+
+def test_a_deepspeed_launch_with_a_broken_deepspeed_names_the_import_error(tmp_path):
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text("raise ImportError('no CUDA toolkit')\n")
+    code = ("import os; os.environ.update(ACCELERATE_USE_DEEPSPEED='true', ACCELERATE_DEEPSPEED_ZERO_STAGE='3')\n"
+            "from hf_verl.parallel.backend import resolve_backend\n"
+            "try:\n    resolve_backend(2, True)\nexcept ImportError as e:\n    print('ERR', e)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{__import__('os').getcwd()}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "ERR" in out.stdout and "no CUDA toolkit" in out.stdout and "hf_verl[deepspeed]" in out.stdout
+
+
+def test_deepspeed_config_fills_auto_values_and_refuses_its_own_optimizer(tmp_path):
+    from hf_verl.parallel.deepspeed import deepspeed_config
+
+    spec = BackendSpec("deepspeed", zero_stage=3, offload_params=True)
+    config = deepspeed_config(spec, micro_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0)
+    assert config["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu"}}
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["gradient_clipping"]) == (4, 2, 1.0)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True},
+                                "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"}))
+    spec = BackendSpec("deepspeed", zero_stage=2, config_file=str(path))
+    config = deepspeed_config(spec, micro_batch_size=8, gradient_accumulation_steps=1, max_grad_norm=0.5)
+    assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True} and config["gradient_clipping"] == 0.5
+    path.write_text(json.dumps({"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(ValueError, match="has an 'optimizer' section"):
+        deepspeed_config(spec, micro_batch_size=8, gradient_accumulation_steps=1, max_grad_norm=0.5)
+
+
+# ---------------------------------------------------------------------- the engine's forward primitives
+def _engine(model, **kw):
+    from hf_verl.engine.accelerate_engine import AccelerateEngine
+
+    return AccelerateEngine(model, role=kw.pop("role", "actor"), dims=ParallelDims(), backend=BackendSpec(), **kw)
+
+
+def _batch(tok):
+    from hf_verl.data.batch import RolloutBatch
+
+    prompts = [tok("abc")["input_ids"], tok("hello")["input_ids"]]
+    completions = [tok("xy")["input_ids"], tok("zzzz")["input_ids"]]
+    return RolloutBatch.from_lists(prompts, completions, tok.pad_token_id)
+
+
+def test_logprobs_and_values_equal_the_models_own_outputs():
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    tok = build_char_tokenizer()
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tok), pad_token_id=tok.pad_token_id, num_labels=1)
+    torch.manual_seed(0)
+    lm, critic = Qwen2ForCausalLM(cfg).eval(), Qwen2ForSequenceClassification(cfg).eval()
+    batch = _batch(tok)
+    P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    mask = batch.attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = lm(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions).logits.float()
+        want = torch.log_softmax(logits[:, P - 1 : P + C - 1] / 0.7, -1).gather(
+            -1, batch.completion_ids.unsqueeze(-1)).squeeze(-1) * batch.completion_mask
+        hidden = critic.model(input_ids=batch.input_ids, attention_mask=mask, position_ids=positions).last_hidden_state
+        want_values = critic.score(hidden[:, P - 1 : P + C - 1]).squeeze(-1) * batch.completion_mask
+        got, entropy = _engine(lm).logprobs(batch, temperature=0.7, chunk_size=3, with_entropy=True)
+        values = _engine(critic, role="critic").values(batch)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-6)
+    assert (got[batch.completion_mask == 0] == 0).all() and entropy.shape == got.shape
+    assert (entropy[batch.completion_mask.bool()] > 0).all()
+
+
+def test_engine_export_save_and_frozen_roles():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok)))
+    engine = _engine(model)
+    exported = {n: t for bucket in engine.export_weights(4096) for n, t in bucket}
+    assert exported.keys() == model.state_dict().keys()
+    assert all(torch.equal(t, model.state_dict()[n]) for n, t in exported.items())
+    assert engine.full_state_dict().keys() == model.state_dict().keys()
+    with pytest.raises(RuntimeError, match="no optimizer: call attach_optimizer"):
+        engine.step()
+    with pytest.raises(ValueError, match="no PEFT adapters to disable"):
+        with engine.adapters_disabled():
+            pass
+    frozen = _engine(Qwen2ForCausalLM(model.config), role="reference", trainable=False)
+    assert not any(p.requires_grad for p in frozen.model.parameters()) and not frozen.module.training
+    with pytest.raises(ValueError, match="the reference engine is frozen"):
+        frozen.backward(torch.zeros((), requires_grad=True))
