@@ -109,3 +109,19 @@ def test_a_gpu_config_on_a_cpu_machine_fails_fast_naming_the_field(tmp_path):
     assert "did not join a process group" in proc.stderr and "use_cpu" in proc.stderr
     assert not (tmp_path / "result.json").exists()
     assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.optional_backend
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_sharded_run_resumes_exactly(tmp_path, backend):
+    """Checkpoint at step 2 (whole weights, per-rank optimizer shards), resume in a fresh trainer: steps 3
+    and 4 log the uninterrupted run's losses (a fresh optimizer would change step 4's)."""
+    if backend.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    proc = _launch(f"{backend}_cpu.yaml", "resume", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["backend"] == BACKENDS[backend][0]
+    assert sorted(got["resumed"]) == ["1", "2", "3", "4"] and got["full"]["3"] != got["full"]["4"]
+    for step in ("3", "4"):
+        assert got["resumed"][step] == pytest.approx(got["full"][step], rel=1e-6, abs=1e-8)

@@ -74,6 +74,29 @@ def build(algo, out, world, tok):
     return DPOTrainer(model=tiny_qwen2(tok), args=args, train_dataset=Dataset.from_dict(pairs), processing_class=tok)
 
 
+def resume_run(out, world, tok):
+    """GRPO for 4 steps with checkpoints every 2, then a fresh trainer resumed from checkpoint-2: its
+    steps 3-4 must log the losses of the uninterrupted run (weights, optimizer shards, schedule, RNG)."""
+    from hf_verl import GRPOConfig, GRPOTrainer
+
+    prompts = ["abc", "xyz", "hello", "ab", "b", "cc", "dd", "e", "aa", "ba", "ca", "da"]
+
+    def trainer():
+        kw = dict(common(out, world), max_steps=4, save_strategy="steps", save_steps=2)
+        args = GRPOConfig(num_generations=4, max_completion_length=6, per_row_sampling_seed=True, **kw)
+        return GRPOTrainer(model=tiny_qwen2(tok), reward_funcs=count_a, args=args,
+                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+
+    def losses(t):
+        return {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}
+
+    full = trainer()
+    full.train()
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    return full, losses(full), losses(resumed)
+
+
 def facade_run(out, world, tok, rank):
     """The facade's loop with a critic (GAE) and a KL reference, on this rank's slice of each global batch."""
     from hf_verl import Trainer
@@ -112,6 +135,12 @@ def export_error(trainer, initial):
 def main(algo: str, out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = build_char_tokenizer()
+    if algo == "resume":
+        trainer, full, resumed = resume_run(out, world, tok)
+        if trainer.dims.is_main:
+            with open(os.path.join(out, "result.json"), "w") as f:
+                json.dump({"full": full, "resumed": resumed, "backend": trainer.backend.label}, f)
+        return
     if algo == "facade":
         facade, losses, extra = facade_run(out, world, tok, int(os.environ.get("RANK", "0")))
         engine = facade.actor_engine
