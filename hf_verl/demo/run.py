@@ -232,7 +232,7 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
     the chosen answer (RPO, Pang et al. 2024; TRL's `loss_type=["sigmoid", "sft"]`). Offline
     sigmoid DPO alone on this task moves held-out accuracy anywhere from -10 to +32 points with the
     seed (the rejected answers' likelihood falls, and so does the chosen's); the NLL term anchors
-    the chosen answer and makes the gain robust (docs/quickstart.md has the per-seed figures).
+    the chosen answer and makes the gain robust (docs/dpo.md has the per-seed figures).
     """
     if algo not in ALGOS:
         raise ValueError(f"--algo must be one of {ALGOS}, got {algo!r}.")
