@@ -24,7 +24,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 BACKENDS = {"ddp": ("ddp", "Parameter"), "fsdp2": ("fsdp2", "DTensor"), "zero2": ("deepspeed ZeRO-2", "Parameter"),
             "zero3": ("deepspeed ZeRO-3", "Parameter")}
-_PORTS = iter(range(29700, 29800))
 ALGOS = ("grpo", "ppo", "dpo", "facade")
 
 
@@ -35,9 +34,28 @@ def _env(**extra):
     return env
 
 
+def _failure(proc) -> str:
+    """What a failed launch said: its error lines first (a rank's traceback can be far from the tail)."""
+    text = proc.stdout + proc.stderr
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", prefix="hf_verl_launch_", suffix=".log", delete=False) as f:
+        f.write(text)  # the whole output, for a failure that is not in the tail
+    errors = [line for line in text.splitlines() if "Error" in line or "error:" in line or "Traceback" in line]
+    return f"full output: {f.name}\n" + "\n".join(errors[:40]) + "\n--- stderr tail ---\n" + proc.stderr[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _launch(config: str, algo: str, out: Path, **env):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / config), "--main_process_port", str(next(_PORTS)),
+           str(ROOT / "configs" / "accelerate" / config), "--main_process_port", str(_free_port()),
            "-m", "tests.distributed.parity", algo, str(out)]
     return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=900)
 
@@ -65,7 +83,7 @@ def test_sharded_run_equals_one_process(baselines, tmp_path, backend, algo):
     if backend.startswith("zero"):
         pytest.importorskip("deepspeed")
     proc = _launch(f"{backend}_cpu.yaml", algo, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, _failure(proc)
     want = json.loads((baselines[algo] / "result.json").read_text())
     got = json.loads((tmp_path / "result.json").read_text())
     label, param_type = BACKENDS[backend]
@@ -102,7 +120,7 @@ def test_a_gpu_config_on_a_cpu_machine_fails_fast_naming_the_field(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
          str(ROOT / "configs" / "accelerate" / "fsdp2.yaml"), "--num_processes", "2", "--main_process_port",
-         str(next(_PORTS)), "-m", "tests.distributed.parity", "grpo", str(tmp_path)],
+         str(_free_port()), "-m", "tests.distributed.parity", "grpo", str(tmp_path)],
         cwd=ROOT, env={k: v for k, v in _env(**env).items() if k != "ACCELERATE_USE_CPU"}, capture_output=True,
         text=True, timeout=300)
     assert proc.returncode != 0
@@ -119,9 +137,43 @@ def test_a_sharded_run_resumes_exactly(tmp_path, backend):
     if backend.startswith("zero"):
         pytest.importorskip("deepspeed")
     proc = _launch(f"{backend}_cpu.yaml", "resume", tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, _failure(proc)
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["backend"] == BACKENDS[backend][0]
     assert sorted(got["resumed"]) == ["1", "2", "3", "4"] and got["full"]["3"] != got["full"]["4"]
     for step in ("3", "4"):
         assert got["resumed"][step] == pytest.approx(got["full"][step], rel=1e-6, abs=1e-8)
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "zero3"])
+def test_a_sharded_actor_syncs_a_shared_server(tmp_path, backend, monkeypatch):
+    """One rollout server for both ranks: rank 0 streams the gathered weights, rank 1 walks the same
+    buckets; afterwards the server's model is the trained policy, tensor for tensor."""
+    import torch
+
+    from hf_verl.rollout.hf_engine import TransformersEngine
+    from hf_verl.serve.server import RolloutServer
+    from tests.conftest import build_char_tokenizer
+    from tests.test_serve import TOKEN, _model
+
+    if backend.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    tok = build_char_tokenizer()
+    server_model = _model(tok, seed=1)  # other weights than the policy's: the syncs must replace them
+    server = RolloutServer(TransformersEngine(server_model, tok), tok, "tiny", port=0, token=TOKEN).start()
+    try:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs" / "accelerate" / f"{backend}_cpu.yaml"), "--main_process_port", str(_free_port()),
+               "-m", "tests.distributed.grpo_server_sharded", str(tmp_path), server.address]
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(HF_VERL_SERVE_TOKEN=TOKEN), capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, _failure(proc)
+        got = json.loads((tmp_path / "result.json").read_text())
+        assert got["backend"] == BACKENDS[backend][0] and got["steps"] == 3
+        assert got["max_logp_gap"] < 1e-3  # the server generated with the trainer's weights each round
+        assert server.engine.weight_version == 4  # one sync per round, one after training: from rank 0 only
+        final = _weights(tmp_path, "")
+        for name, tensor in server_model.state_dict().items():
+            torch.testing.assert_close(tensor, final[name], rtol=0, atol=0)
+    finally:
+        server.shutdown()

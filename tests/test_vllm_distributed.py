@@ -19,14 +19,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_process_grpo_on_colocated_vllm(tmp_path):
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_two_process_grpo_on_colocated_vllm(tmp_path, layout):
     pytest.importorskip("vllm")
     # two engines in one machine: each sizes its KV cache as a share of host memory, so keep it small
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_VERL_TEST_VLLM_MEM="0.15")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           "-m", "tests.distributed.grpo_vllm_dp", str(tmp_path)]
+    if layout == "ddp":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(_free_port())]
+    else:  # a sharded actor: every rank gathers the shards one tensor at a time into its own engine
+        env["ACCELERATE_USE_CPU"] = "1"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs" / "accelerate" / f"{layout}_cpu.yaml"), "--main_process_port", str(_free_port())]
+    cmd += ["-m", "tests.distributed.grpo_vllm_dp", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = f"\n--- stdout tail ---\n{proc.stdout[-2000:]}\n--- stderr tail ---\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"torchrun exited with {proc.returncode}" + tail
@@ -37,6 +44,7 @@ def test_two_process_grpo_on_colocated_vllm(tmp_path):
         where = f"rank {k}: "
         assert r["rank"] == k and r["world"] == 2, where + f"rank/world {r['rank']}/{r['world']}"
         assert "MULTI_CPU" in r["distributed_type"], where + r["distributed_type"]
+        assert r["backend"] == layout, where + r["backend"]
         assert r["engine"] == "VLLMEngine" and r["is_vllm_engine"], where + f"engine is {r['engine']}"
         assert r["num_logs"] == 3 and r["global_step"] == 3, where + f"{r['num_logs']} logs, step {r['global_step']}"
         # synced before each of the 3 rollouts, then once more by hand after the last optimizer step

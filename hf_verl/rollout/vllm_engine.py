@@ -158,7 +158,8 @@ def write_model_dir(model, tokenizer, path: str) -> None:
     if hasattr(plain, "get_base_model"):  # PEFT: vLLM gets the base architecture under base names
         plain = plain.get_base_model()
     config = copy.deepcopy(plain.config)
-    config.architectures = [type(plain).__name__]  # vLLM picks its model class from this
+    # vLLM picks its model class from this; FSDP2 swaps the class for a subclass named FSDP<Class>
+    config.architectures = [next(c.__name__ for c in type(plain).__mro__ if c.__module__.startswith("transformers."))]
     config.dtype = str(next(plain.parameters()).dtype).removeprefix("torch.")
     config.save_pretrained(path)
     if getattr(plain, "generation_config", None) is not None:

@@ -36,4 +36,7 @@ def main(out_dir: str, per_device: int, padding_free: bool) -> None:
 
 
 if __name__ == "__main__":
+    from hf_verl.parallel.comm import leave_together
+
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1")
+    leave_together()

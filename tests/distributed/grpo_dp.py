@@ -51,4 +51,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from hf_verl.parallel.comm import leave_together
+
     main(sys.argv[1])
+    leave_together()

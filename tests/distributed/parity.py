@@ -170,4 +170,7 @@ def main(algo: str, out: str) -> None:
 
 
 if __name__ == "__main__":
+    from hf_verl.parallel.comm import leave_together
+
     main(sys.argv[1], sys.argv[2])
+    leave_together()
