@@ -262,3 +262,34 @@ def test_async_rollout_is_one_version_stale_and_trains(tmp_path, steps_per_gener
 def test_max_staleness_zero_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_staleness must be >= 1"):
         _args(tmp_path, use_async_rollout=True, max_staleness=0)
+
+
+def test_a_round_with_every_completion_masked_out_trains_on_with_zero_loss(tmp_path):
+    """mask_truncated_completions with every completion truncated leaves no token in the loss: the step
+    runs (zero loss, zero gradient, logged) instead of failing in backward."""
+    tok = build_char_tokenizer()
+    model = _model(tok)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = GRPOTrainer(model=model, reward_funcs=count_a, processing_class=tok,
+                          args=_args(tmp_path, max_steps=2, mask_truncated_completions=True, max_completion_length=3),
+                          train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}))
+    trainer.engine.eos_token_ids = set()  # never stops: every completion is truncated
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(h["loss"] == 0.0 and h["completions/clipped_ratio"] == 1.0 for h in logs)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing to learn from
+
+
+def test_a_round_where_every_reward_is_none_trains_on_with_zero_advantages(tmp_path, caplog):
+    tok = build_char_tokenizer()
+
+    def abstain(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=abstain, processing_class=tok, args=_args(tmp_path, max_steps=2),
+                          train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}))
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(h["loss"] == 0.0 and h["reward"] == 0.0 for h in logs)
+    assert "got None from every reward function" in caplog.text

@@ -92,7 +92,9 @@ def logprobs_from_head(
         logps.append(lp)
         ents.append(ent)
         means.append(mean.detach())
-    empty = flat_t.new_zeros(shape, dtype=torch.float32)
+    # no position to score (every completion of a micro-batch masked out): zeros that still hang off the
+    # graph, so that a loss built on them backpropagates (zero gradients) instead of failing
+    empty = flat_h[:0, 0].float().view(shape) * 0 if not logps else None
     logp = torch.cat(logps).view(shape) if logps else empty
     entropy = (torch.cat(ents).view(shape) if ents else empty) if with_entropy else None
     mean_logit = (torch.cat(means).view(shape) if means else empty) if with_mean_logit else None
