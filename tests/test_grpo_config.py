@@ -41,3 +41,22 @@ def test_generation_batch_resolution(tmp_path):
 def test_bad_configs_say_what_to_change(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         _cfg(tmp_path, **kw)
+
+
+def test_colocated_vllm_length_comes_from_the_model_or_fails_naming_the_field():
+    from types import SimpleNamespace
+
+    from hf_verl.trainers.vllm_args import colocate_max_model_len
+
+    model = SimpleNamespace(max_position_embeddings=256)
+    args = SimpleNamespace(vllm_max_model_length=None, max_prompt_length=64)
+    assert colocate_max_model_len(args, model, 32) == 96  # fits: prompt + completion
+    args.max_prompt_length = 512  # GRPOConfig's default: more than the model has
+    assert colocate_max_model_len(args, model, 8) == 256
+    with pytest.raises(ValueError, match="leaves no room for a prompt.*lower max_completion_length"):
+        colocate_max_model_len(args, model, 256)
+    args.vllm_max_model_length = 300
+    with pytest.raises(ValueError, match=r"vllm_max_model_length=300 exceeds the model's 256 positions"):
+        colocate_max_model_len(args, model, 8)
+    args.vllm_max_model_length = 200
+    assert colocate_max_model_len(args, model, 8) == 200

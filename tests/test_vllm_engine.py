@@ -76,7 +76,7 @@ def test_lora_merged_sync_path(engine_and_model):
         prompts, GREEDY).completion_ids
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "grpo-default-limits"])
 def test_trainers_train_with_colocated_vllm(tmp_path, algo):
     """In a fresh process: vLLM sizes its KV cache from the process's memory, so one engine per process."""
     import json
@@ -91,12 +91,16 @@ def test_trainers_train_with_colocated_vllm(tmp_path, algo):
                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "result.json").read_text())
-    steps = 3 if algo == "grpo" else 4
+    steps = 4 if algo == "ppo" else 3
     assert r["engine"] == "VLLMEngine" and r["num_logs"] == steps and r["has_is_metrics"]
     # re-synced before every rollout after the first (PPO: a rollout feeds 2 mini-batch steps)
-    assert r["weight_version"] == (3 if algo == "grpo" else 2)
+    assert r["weight_version"] == (2 if algo == "ppo" else 3)
     assert r["max_logp_gap"] < 0.05  # the engine's numerics track the trainer's after each sync
     assert r["params_changed"]
+    if algo == "grpo-default-limits":  # 512 + 6 > the model's 256 positions: limited, prompts leave room
+        assert (r["engine_max_len"], r["prompt_limit"]) == (256, 250)
+    else:
+        assert r["prompt_limit"] == 16 and r["engine_max_len"] == 16 + (6 if algo == "grpo" else 6)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ from hf_verl.rewards.reward_model import resolve_reward_sources
 from hf_verl.rollout.base import RolloutEngine, SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
+from hf_verl.trainers.vllm_args import colocate_max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         self._engine_step: int | None = None  # global step whose weights an engine with its own weights holds
         self._pending = None  # asynchronous rollout: (round, weights' round, future)
         self._prefetcher = RolloutPrefetcher()
+        self._prompt_limit = args.max_prompt_length  # lowered when a colocated engine has fewer positions
         if train_dataset is not None and hasattr(train_dataset, "__len__"):
             self._get_train_sampler()  # a dataset too small for one round fails here, not at train()
         if getattr(args, "use_vllm", False):
@@ -97,7 +99,9 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             from hf_verl.rollout.vllm_engine import VLLMEngine
 
             policy = self.actor.model
-            length = args.vllm_max_model_length or ((args.max_prompt_length or 512) + self._max_new_tokens())
+            length = colocate_max_model_len(args, policy.config, self._max_new_tokens())
+            if args.max_prompt_length is None or args.max_prompt_length + self._max_new_tokens() > length:
+                self._prompt_limit = length - self._max_new_tokens()  # prompts must leave room in the engine
             return VLLMEngine.from_model(
                 policy, processing_class, dtype=str(policy.dtype).replace("torch.", ""), max_model_len=length,
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -149,8 +153,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         datasets) and the prompts as the reward functions see them."""
         if "prompt" in rows[0]:
             prompts = [r["prompt"] for r in rows]
-            return tokenize_prompts(prompts, self.processing_class, self.args.max_prompt_length), prompts
-        tok = pretokenized_prompts(rows, self.processing_class, self.args.max_prompt_length)
+            return tokenize_prompts(prompts, self.processing_class, self._prompt_limit), prompts
+        tok = pretokenized_prompts(rows, self.processing_class, self._prompt_limit)
         return tok, tok.texts
 
     def _round_index(self) -> int:

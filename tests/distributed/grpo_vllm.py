@@ -26,15 +26,18 @@ def colocate_args(out: str, **overrides) -> GRPOConfig:
     return GRPOConfig(**{**kwargs, **overrides})
 
 
-def main(out: str) -> None:
+def main(out: str, limits: str = "small") -> None:
     tok = build_char_tokenizer()
     policy = _model(tok).train()
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    trainer = GRPOTrainer(model=policy, reward_funcs=distinct_chars, args=colocate_args(out), processing_class=tok,
-                          train_dataset=Dataset.from_dict({"prompt": ["abc", "xy"] * 4}))
+    # "default": GRPOConfig's max_prompt_length (512) + 6 > the model's 256 positions: the engine is limited
+    overrides = {"max_prompt_length": 512} if limits == "default" else {}
+    trainer = GRPOTrainer(model=policy, reward_funcs=distinct_chars, args=colocate_args(out, **overrides),
+                          processing_class=tok, train_dataset=Dataset.from_dict({"prompt": ["abc", "xy"] * 4}))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    result = {"engine": type(trainer.engine).__name__, "num_logs": len(logs),
+    result = {"engine": type(trainer.engine).__name__, "num_logs": len(logs), "prompt_limit": trainer._prompt_limit,
+              "engine_max_len": trainer.engine.llm.llm_engine.model_config.max_model_len,
               "has_is_metrics": all("sampling/importance_sampling_ratio/mean" in h for h in logs),
               "weight_version": trainer.engine.weight_version,
               "max_logp_gap": max(h["sampling/sampling_logp_difference/mean"] for h in logs),
@@ -69,7 +72,8 @@ def ppo_main(out: str) -> None:
                          train_dataset=Dataset.from_dict({"prompt": ["abc", "xy"] * 8}))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    result = {"engine": type(trainer.engine).__name__, "num_logs": len(logs),
+    result = {"engine": type(trainer.engine).__name__, "num_logs": len(logs), "prompt_limit": trainer._prompt_limit,
+              "engine_max_len": trainer.engine.llm.llm_engine.model_config.max_model_len,
               "has_is_metrics": any("sampling/importance_sampling_ratio/mean" in h for h in logs),
               "weight_version": trainer.engine.weight_version,
               "max_logp_gap": max(h.get("sampling/sampling_logp_difference/mean", 0.0) for h in logs),
@@ -79,4 +83,7 @@ def ppo_main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    (ppo_main if sys.argv[2:] == ["ppo"] else main)(sys.argv[1])
+    if sys.argv[2:] == ["ppo"]:
+        ppo_main(sys.argv[1])
+    else:
+        main(sys.argv[1], "default" if sys.argv[2:] == ["grpo-default-limits"] else "small")
