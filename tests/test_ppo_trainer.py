@@ -37,7 +37,7 @@ def count_a(completions, **kwargs):
 
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=4, logging_steps=1,
-                per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2,
+                per_device_train_batch_size=4, gradient_accumulation_steps=1, num_mini_batches=2,
                 num_ppo_epochs=2, response_length=5, learning_rate=1e-2, critic_learning_rate=3e-2,
                 save_strategy="no", stop_token="eos", disable_tqdm=True)
     base.update(kw)
@@ -45,10 +45,13 @@ def _args(tmp_path, **kw):
 
 
 def test_batch_sizes_follow_trl(tmp_path):
-    args = _args(tmp_path, total_episodes=64, max_steps=-1)
-    assert args.local_batch_size == 8 and args.local_mini_batch_size == 4 and args.batch_size == 8
-    assert args.gradient_accumulation_steps == 1  # micro-batches per mini-batch = per optimizer step
-    assert args.max_steps == 64 // 8 * 2 * 2  # updates x epochs x mini-batches
+    # TRL's PPO: local_batch_size = per_device x gradient_accumulation_steps x num_mini_batches
+    args = _args(tmp_path, total_episodes=64, max_steps=-1, gradient_accumulation_steps=2)
+    assert args.local_batch_size == 16 and args.local_mini_batch_size == 8 and args.batch_size == 16
+    assert args.gradient_accumulation_steps == 2  # micro-batches per mini-batch = per optimizer step
+    assert args.max_steps == 64 // 16 * 2 * 2  # updates x epochs x mini-batches
+    args = _args(tmp_path, num_mini_batches=2, gradient_accumulation_steps=3)  # refused before: any combination
+    assert (args.local_batch_size, args.local_mini_batch_size, args.steps_per_generation) == (24, 12, 6)
 
 
 def test_trl_script_shape_trains_policy_and_critic(tmp_path):
@@ -107,8 +110,6 @@ def test_bad_inputs(tmp_path):
                    train_dataset=ds)
     with pytest.raises(ValueError, match="response_length must be >= 1"):
         _args(tmp_path, response_length=0)
-    with pytest.raises(ValueError, match="multiple of num_mini_batches"):
-        _args(tmp_path, gradient_accumulation_steps=3, num_mini_batches=2)
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     other = LlamaForSequenceClassification(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -300,7 +300,7 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
 
         # one rollout of prompts_per_step x num_generations completions, 2 epochs x 2 mini-batches
         args = PPOConfig(per_device_train_batch_size=prompts_per_step * num_generations // 2,
-                         gradient_accumulation_steps=2, num_mini_batches=2, num_ppo_epochs=2,
+                         gradient_accumulation_steps=1, num_mini_batches=2, num_ppo_epochs=2,
                          response_length=max_completion_length, stop_token="eos", kl_coef=0.0,
                          critic_learning_rate=2 * learning_rate, vf_coef=0.5, **common)
         trainer = PPOTrainer(args=args, processing_class=tokenizer, model=model, reward_model=reverse_reward,

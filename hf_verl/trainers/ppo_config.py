@@ -1,12 +1,13 @@
 """`PPOConfig`: the field names and defaults of TRL's (experimental, <= 1.10) PPOConfig, validated.
 
-Batch sizes follow TRL: each process rolls out `local_batch_size = per_device_train_batch_size x
-gradient_accumulation_steps` completions per update, which is split into `num_mini_batches`
-mini-batches and passed over `num_ppo_epochs` times; one mini-batch is one optimizer step. To run
-inside the `transformers.Trainer` loop, `__post_init__` records the rollout size and sets
-`gradient_accumulation_steps` to the micro-batches per mini-batch (a mini-batch is one optimizer
-step), so `max_steps` and `logging_steps` count optimizer steps. `total_episodes` (TRL's run
-length, in completions) is turned into `max_steps` when `max_steps` is not given.
+Batch sizes follow TRL: each data-parallel rank rolls out `local_batch_size =
+per_device_train_batch_size x gradient_accumulation_steps x num_mini_batches` completions per
+update, split into `num_mini_batches` mini-batches of `per_device_train_batch_size x
+gradient_accumulation_steps` and passed over `num_ppo_epochs` times; one mini-batch is one
+optimizer step (its `gradient_accumulation_steps` micro-batches accumulate), so `max_steps` and
+`logging_steps` count optimizer steps. `__post_init__` records the micro-batches per rollout in
+`rollout_accumulation_steps`. `total_episodes` (TRL's run length, in completions) is turned into
+`max_steps` when `max_steps` is not given.
 
 Additions (verl's knobs under PPO names): `advantage_estimator`, `num_generations`,
 `critic_learning_rate`, `critic_warmup_steps`, `use_kl_loss`, `kl_controller` / `kl_target` /
@@ -95,7 +96,8 @@ class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArgu
     reward_weights: list[float] | None = field(default=None, metadata=_help("Weights of reward functions."))
     shuffle_dataset: bool = field(default=True, metadata=_help("Shuffle the prompt dataset."))
     rollout_accumulation_steps: int | None = field(
-        default=None, metadata=_help("Set by __post_init__: the gradient_accumulation_steps given (rollout size).")
+        default=None, metadata=_help("Set by __post_init__: micro-batches per rollout, gradient_accumulation_steps x "
+                                     "num_mini_batches.")
     )
 
     def __post_init__(self) -> None:
@@ -105,14 +107,9 @@ class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArgu
         self._take_over_deepspeed()
         self._validate()
         if self.rollout_accumulation_steps is None:  # first resolution (not a reload of a resolved config)
-            if self.gradient_accumulation_steps % self.num_mini_batches:
-                raise ValueError(
-                    f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) must be a multiple of "
-                    f"num_mini_batches ({self.num_mini_batches}): a mini-batch holds whole micro-batches of "
-                    f"per_device_train_batch_size={self.per_device_train_batch_size}."
-                )
-            self.rollout_accumulation_steps = self.gradient_accumulation_steps
-            self.gradient_accumulation_steps = self.gradient_accumulation_steps // self.num_mini_batches
+            # TRL's meaning: a mini-batch (one optimizer step) is gradient_accumulation_steps micro-batches of
+            # per_device_train_batch_size, and a rollout holds num_mini_batches of them
+            self.rollout_accumulation_steps = self.gradient_accumulation_steps * self.num_mini_batches
         if self.total_episodes is not None and self.max_steps <= 0:
             updates = math.ceil(self.total_episodes / self.batch_size)
             self.max_steps = updates * self.num_ppo_epochs * self.num_mini_batches

@@ -64,7 +64,7 @@ def ppo_main(out: str) -> None:
                                                         num_attention_heads=4, vocab_size=len(tok), num_labels=1,
                                                         pad_token_id=tok.pad_token_id))
     args = PPOConfig(output_dir=out, use_cpu=True, report_to=[], max_steps=4, logging_steps=1,
-                     per_device_train_batch_size=4, gradient_accumulation_steps=2, num_mini_batches=2, num_ppo_epochs=1,
+                     per_device_train_batch_size=4, gradient_accumulation_steps=1, num_mini_batches=2, num_ppo_epochs=1,
                      response_length=6, learning_rate=1e-3, save_strategy="no", disable_tqdm=True, stop_token="eos",
                      use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.25, max_prompt_length=16)
     trainer = PPOTrainer(args=args, processing_class=tok, model=policy, value_model=critic,
