@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--trust-remote-code", action="store_true", help="Allow custom model code from the Hub.")
     serve.add_argument("--max-model-len", type=int, default=None, help="--engine vllm: context length.")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="Name(s) requests may give as `model` (default: the model argument); others get 404.")
+    serve.add_argument("--max-n", type=int, default=64, help="Cap on completions per prompt in one request.")
+    serve.add_argument("--max-tokens", type=int, default=8192, help="Cap on max_tokens of one request.")
+    serve.add_argument("--max-prompts", type=int, default=1024, help="Cap on prompts in one request.")
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                        help="--engine vllm: share of GPU memory (on CPU: of host memory) vLLM reserves.")
     return parser
@@ -65,7 +70,10 @@ def run_serve(args) -> int:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype),
                                                      use_safetensors=True, trust_remote_code=args.trust_remote_code)
         engine = TransformersEngine(model.eval(), tokenizer)
-    server = RolloutServer(engine, tokenizer, args.model, host=args.host, port=args.port, token=token)
+    names = args.served_model_name or [args.model]
+    server = RolloutServer(engine, tokenizer, names[0], host=args.host, port=args.port, token=token,
+                           served_model_names=names, max_n=args.max_n, max_tokens=args.max_tokens,
+                           max_prompts=args.max_prompts)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

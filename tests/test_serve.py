@@ -291,3 +291,75 @@ def test_reward_scoring_overlaps_generation_on_a_server(tmp_path, monkeypatch):
         assert streamed["batch"].meta["prompts"] == [r["prompt"] for r in rows]
     finally:
         server.shutdown()
+
+
+# ---------------------------------------------------------------------- as OpenAI clients see it
+def _client(server):
+    openai = pytest.importorskip("openai")
+    return openai, openai.OpenAI(base_url=f"{server.address}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_the_openai_client_streams_and_gets_the_same_completion(served):
+    server, tok, model = served
+    openai, client = _client(server)
+    whole = client.completions.create(model="tiny", prompt=["abc", "hello"], max_tokens=5, temperature=0, logprobs=1)
+    assert [c.index for c in whole.choices] == [0, 1] and all(c.text is not None for c in whole.choices)
+    chunks = list(client.completions.create(model="tiny", prompt=["abc", "hello"], max_tokens=5, temperature=0,
+                                            stream=True))
+    streamed = {c.index: c.text for chunk in chunks for c in chunk.choices}
+    assert streamed == {c.index: c.text for c in whole.choices}  # greedy: the same text, served as events
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_an_unknown_model_is_404_and_served_names_are_configurable(served):
+    server, tok, model = served
+    openai, client = _client(server)
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist"):
+        client.completions.create(model="gpt-4", prompt="abc", max_tokens=2)
+    other = RolloutServer(TransformersEngine(model, tok), tok, "tiny", port=0, served_model_names=["a", "b"]).start()
+    try:
+        _, client = _client(other)
+        assert [m.id for m in client.models.list().data] == ["a", "b"]
+        assert client.completions.create(model="b", prompt="abc", max_tokens=2, temperature=0).choices
+    finally:
+        other.shutdown()
+
+
+def test_requests_beyond_the_caps_are_refused_naming_the_cap(served):
+    server, tok, model = served
+    openai, client = _client(server)
+    with pytest.raises(openai.BadRequestError, match="n=100000 exceeds this server's cap of 64"):
+        client.completions.create(model="tiny", prompt="abc", max_tokens=2, n=100000)
+    with pytest.raises(openai.BadRequestError, match="max_tokens=100000 exceeds this server's cap of 8192"):
+        client.completions.create(model="tiny", prompt="abc", max_tokens=100000)
+    with pytest.raises(openai.BadRequestError, match="2000 prompts exceed this server's cap of 1024"):
+        client.completions.create(model="tiny", prompt=["a"] * 2000, max_tokens=2)
+
+
+def test_bad_weight_uploads_are_4xx_with_the_reason_and_keep_the_weights(served, tmp_path):
+    import http.client
+    import json as _json
+    from urllib.parse import urlparse
+
+    server, tok, model = served
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    not_weights = tmp_path / "notes.safetensors"
+    not_weights.write_text("these are not weights")
+    address = urlparse(server.address)
+
+    def post(path, body, content_type):
+        conn = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+        conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {TOKEN}",
+                                                       "Content-Type": content_type})
+        response = conn.getresponse()
+        return response.status, _json.loads(response.read())["error"]["message"]
+
+    status, message = post("/v1/weights", _json.dumps({"path": str(not_weights)}), "application/json")
+    assert status == 400 and "is not a readable safetensors file" in message
+    status, message = post("/v1/weights?update=u1&index=0&last=1", b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage",
+                           "application/octet-stream")
+    assert status == 400 and "not a safetensors bucket" in message
+    status, message = post("/v1/weights", _json.dumps({"path": 42}), "application/json")
+    assert status == 400 and "'path' must be a string" in message
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert server.engine.weight_version == 0

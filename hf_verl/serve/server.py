@@ -5,8 +5,12 @@ Routes:
 - `GET /health`, `GET /v1/models`, `GET /v1/weights/version`;
 - `POST /v1/completions`: OpenAI's completions request (`prompt` as text, token ids, or a list of
   either; `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `stop`,
-  `n`, `seed`, `logprobs`); every choice carries `token_ids` and its sampled-token log-probs, and
-  the response carries the `weight_version` it was generated with;
+  `n`, `seed`, `logprobs`, `stream`); every choice carries `token_ids` and its sampled-token
+  log-probs, and the response carries the `weight_version` it was generated with. With
+  `stream=true` the answer is server-sent events (one chunk per choice, then `data: [DONE]`: the
+  engine generates whole completions, so a chunk holds a whole choice). A `model` other than the
+  served name is answered 404, as vLLM does. Requests beyond the caps on `n`, `max_tokens` and
+  prompts per request are answered 400 with the cap;
 - `POST /v1/weights` (bearer token required): one bucket of HF-named tensors as a safetensors
   body (`?update=<id>&index=<i>&last=0|1`), or a JSON body `{"path": "<safetensors file or
   folder>"}`. Buckets are staged and applied together when the last one arrives, under the lock
@@ -79,16 +83,24 @@ class RolloutServer:
         token (`str`, *optional*): bearer token of the weight routes; required off loopback.
         max_upload_bytes (`int`): largest accepted request body.
         staging_timeout_s (`float`): staged buckets of an update not completed within this expire.
+        served_model_names (`list[str]`, *optional*): the names a request may give as `model` (default
+            `[model_name]`); `/v1/models` lists them.
+        max_n (`int`), max_tokens (`int`), max_prompts (`int`): caps per completions request (choices per
+            prompt, tokens per choice, prompts); one request cannot hold the server for longer than that.
     """
 
     def __init__(self, engine: RolloutEngine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 token: str | None = None, max_upload_bytes: int = 2 * 2**30, staging_timeout_s: float = 600.0) -> None:
+                 token: str | None = None, max_upload_bytes: int = 2 * 2**30, staging_timeout_s: float = 600.0,
+                 served_model_names: list[str] | None = None, max_n: int = 64, max_tokens: int = 8192,
+                 max_prompts: int = 1024) -> None:
         if not is_loopback(host) and not token:
             raise ValueError(
                 f"refusing to serve on non-loopback host {host!r} without a token: weight updates would be open to "
                 f"the network. Set {TOKEN_ENV} or pass --token-file, or serve on 127.0.0.1."
             )
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.served_model_names = list(served_model_names or [model_name])
+        self.max_n, self.max_tokens, self.max_prompts = max_n, max_tokens, max_prompts
         self.token = token
         self.max_upload_bytes, self.staging_timeout_s = max_upload_bytes, staging_timeout_s
         self.lock = threading.Lock()  # generation and weight application never interleave
@@ -120,14 +132,29 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ routes
     def completions(self, body: dict) -> dict:
+        if not isinstance(body, dict):
+            raise HTTPError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model not in self.served_model_names:
+            raise HTTPError(404, f"The model `{model}` does not exist. This server serves "
+                                 f"{', '.join(repr(m) for m in self.served_model_names)}.")
         prompts = self._prompt_ids(body.get("prompt"))
-        n = int(body.get("n", 1))
+        try:
+            n, max_new = int(body.get("n", 1)), int(body.get("max_tokens", 16))
+        except (TypeError, ValueError):
+            raise HTTPError(400, "n and max_tokens must be integers") from None
         if n < 1:
             raise HTTPError(400, "n must be >= 1")
+        if n > self.max_n:
+            raise HTTPError(400, f"n={n} exceeds this server's cap of {self.max_n} completions per prompt")
+        if max_new > self.max_tokens:
+            raise HTTPError(400, f"max_tokens={max_new} exceeds this server's cap of {self.max_tokens}")
+        if len(prompts) > self.max_prompts:
+            raise HTTPError(400, f"{len(prompts)} prompts exceed this server's cap of {self.max_prompts} per request")
         stop = body.get("stop")
         try:
             sampling = SamplingParams(
-                max_new_tokens=int(body.get("max_tokens", 16)), temperature=float(body.get("temperature", 1.0)),
+                max_new_tokens=max_new, temperature=float(body.get("temperature", 1.0)),
                 top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0) or 0),
                 min_p=body.get("min_p"), repetition_penalty=float(body.get("repetition_penalty", 1.0)),
                 stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
@@ -188,8 +215,8 @@ class RolloutServer:
             raise HTTPError(400, "a bucket needs ?update=<id>&index=<i>&last=0|1")
         try:
             tensors = decode(payload)  # views into the body: the bucket is held once
-        except WireFormatError as err:
-            raise HTTPError(400, f"body is not a safetensors bucket: {err}") from None
+        except (WireFormatError, TypeError, ValueError, KeyError, RuntimeError) as err:
+            raise HTTPError(400, f"body is not a safetensors bucket: {err}; the weights are unchanged") from None
         self._check_tensors(tensors)
         now = time.monotonic()
         with self._staged_lock:
@@ -214,6 +241,8 @@ class RolloutServer:
     def receive_path(self, path: str) -> dict:
         from safetensors.torch import load_file
 
+        if not isinstance(path, str):
+            raise HTTPError(400, f"'path' must be a string, got {type(path).__name__}")
         if os.path.isdir(path):
             files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
         elif os.path.isfile(path):
@@ -224,7 +253,11 @@ class RolloutServer:
             raise HTTPError(400, f"{path!r} holds no .safetensors files")
         tensors = {}
         for f in files:
-            tensors.update(load_file(f))
+            try:
+                tensors.update(load_file(f))
+            except Exception as err:  # not a safetensors file (safetensors raises its own error types)
+                raise HTTPError(400, f"{f!r} is not a readable safetensors file ({type(err).__name__}: {err}); "
+                                     "the weights are unchanged") from None
         self._check_tensors(tensors)
         return self.apply(tensors)
 
@@ -239,6 +272,9 @@ class RolloutServer:
         bad = [k for k, v in tensors.items() if tuple(v.shape) != tuple(targets[k].shape)]
         if bad:
             raise HTTPError(400, f"shape mismatch for {bad[:5]}")
+        odd = [k for k, v in tensors.items() if not v.is_floating_point() and targets[k].is_floating_point()]
+        if odd:
+            raise HTTPError(400, f"non-floating tensors for floating weights {odd[:5]}")
 
     def apply(self, tensors: dict[str, torch.Tensor]) -> dict:
         with self.lock:
@@ -266,8 +302,28 @@ class RolloutServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _stream(self, response: dict) -> None:
+                """The completion as server-sent events: one chunk per choice, then [DONE]; the connection
+                closes at the end (no length is known up front)."""
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                head = {k: response[k] for k in ("id", "object", "created", "model", "weight_version")}
+                for choice in response["choices"]:
+                    chunk = dict(head, choices=[choice])
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.write(b"data: " + json.dumps(dict(head, choices=[], usage=response["usage"])).encode()
+                                 + b"\n\n")
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+                self.close_connection = True
+
             def _error(self, status: int, message: str) -> None:
-                self._send(status, {"error": {"message": message, "code": status}})
+                kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                        404: "NotFoundError", 413: "BadRequestError"}.get(status, "InternalServerError")
+                self._send(status, {"error": {"message": message, "type": kind, "code": status}})
 
             def _length(self) -> int:
                 try:
@@ -303,7 +359,7 @@ class RolloutServer:
                     self._send(200, {"status": "ok", "weight_version": server.engine.weight_version})
                 elif path == "/v1/models":
                     self._send(200, {"object": "list", "data": [
-                        {"id": server.model_name, "object": "model", "owned_by": "hf_verl"}]})
+                        {"id": name, "object": "model", "owned_by": "hf_verl"} for name in server.served_model_names]})
                 elif path == "/v1/weights/version":
                     self._send(200, {"weight_version": server.engine.weight_version})
                 else:
@@ -317,7 +373,10 @@ class RolloutServer:
                             body = json.loads(self._body() or b"{}")
                         except json.JSONDecodeError as err:
                             raise HTTPError(400, f"body is not JSON: {err}") from None
-                        self._send(200, server.completions(body))
+                        if isinstance(body, dict) and body.get("stream"):
+                            self._stream(server.completions(body))
+                        else:
+                            self._send(200, server.completions(body))
                     elif url.path == "/v1/weights":
                         server.check_token(self.headers.get("Authorization"))  # before reading the body
                         if self.headers.get("Content-Type", "").startswith("application/json"):
