@@ -187,6 +187,7 @@ def test_supported_parallelisms_are_truthful():
     assert "tensor" not in found and "Megatron engine is not built" in reasons["tensor"]
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: about 6 s
 def test_a_backend_that_does_not_import_is_reported_with_its_error(tmp_path):
     """A deepspeed that is installed but broken (here: a package on the path that fails on import) is not
     supported, and the reason carries its import error; checked in a fresh interpreter."""

@@ -91,6 +91,7 @@ def test_what_the_machine_cannot_give_fails_at_once(launch_env):
     assert resolve_backend(2, process_group_ready=True).kind == "fsdp2"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_a_deepspeed_launch_with_a_broken_deepspeed_names_the_import_error(tmp_path):
     (tmp_path / "deepspeed").mkdir()
     (tmp_path / "deepspeed" / "__init__.py").write_text("raise ImportError('no CUDA toolkit')\n")
