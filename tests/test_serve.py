@@ -352,6 +352,8 @@ def test_bad_weight_uploads_are_4xx_with_the_reason_and_keep_the_weights(served,
         conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {TOKEN}",
                                                        "Content-Type": content_type})
         response = conn.getresponse()
+        # an error closes the connection, and says so: a pooling client must not reuse the socket
+        assert response.getheader("Connection") == "close"
         return response.status, _json.loads(response.read())["error"]["message"]
 
     status, message = post("/v1/weights", _json.dumps({"path": str(not_weights)}), "application/json")

@@ -299,6 +299,8 @@ class RolloutServer:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if self.close_connection:  # say so: a client must not send its next request on this socket
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(data)
 
