@@ -75,7 +75,14 @@ def test_loss_aggregation_modes_by_hand():
     assert aggregate_loss(loss, mask, "bnpo").item() == pytest.approx(10.0 / 4)
     assert aggregate_loss(loss, mask, "dr_grpo", max_completion_length=5).item() == pytest.approx(1.0)
     assert aggregate_loss(loss, mask, "dapo", normalizer=8).item() == pytest.approx(1.25)
-    with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
+    assert aggregate_loss(loss, mask, "luspo").item() == pytest.approx((6.0 + 4.0) / 2)
+    # verl's loss_agg_mode names are the same reductions
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx(5.0)
+    assert aggregate_loss(loss, mask, "token-mean", normalizer=4).item() == pytest.approx(2.5)
+    # a sequence-level loss (B, 1) broadcasts over its tokens
+    seq = torch.tensor([[2.0], [4.0]])
+    assert aggregate_loss(seq, mask, "bnpo").item() == pytest.approx((3 * 2.0 + 4.0) / 4)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'ppo'"):
         aggregate_loss(loss, mask, "ppo")
     assert masked_mean(loss, mask).item() == pytest.approx(2.5)
 

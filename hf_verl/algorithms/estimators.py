@@ -30,6 +30,10 @@ ADVANTAGE_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "remax",
     "dr_grpo",
+    "gpg",
+    "grpo_passk",
+    "opo",
+    "gdpo",
 )
 
 
@@ -214,6 +218,68 @@ def dr_grpo_advantages(
     return _broadcast(advantages, mask)
 
 
+def gpg_advantages(scores: torch.Tensor, num_generations: int, mask: torch.Tensor | None = None,
+                   f_norm: float = 1.0) -> torch.Tensor:
+    """GPG (Chu et al., 2025, arXiv 2504.02546): `A_i = alpha (r_i - mean_group(r)) / f_norm` with
+    `alpha = B / #{i : r_i != 0}`, which rescales the gradient when few completions are rewarded."""
+    g = _check_groups(scores.numel(), num_generations, "gpg")
+    alpha = scores.numel() / max(int((scores != 0).sum()), 1)
+    grouped = scores.view(-1, g)
+    centred = (grouped - grouped.mean(-1, keepdim=True)) if g > 1 else grouped
+    return _broadcast(alpha * centred.reshape(-1) / f_norm, mask)
+
+
+def grpo_passk_advantages(scores: torch.Tensor, num_generations: int, mask: torch.Tensor | None = None,
+                          scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Pass@k GRPO (Chen et al., 2025, arXiv 2503.19595): only each group's best completion gets an advantage,
+    the margin over the second best `r_1 - r_2` (divided by the group's unbiased std + eps when
+    `scale_by_std`); every other completion gets 0."""
+    g = _check_groups(scores.numel(), num_generations, "grpo_passk")
+    if g < 2:
+        raise ValueError("estimator 'grpo_passk' needs num_generations >= 2.")
+    grouped = scores.view(-1, g)
+    top = torch.topk(grouped, 2, dim=-1)
+    margin = top.values[:, 0] - top.values[:, 1]
+    if scale_by_std:
+        margin = margin / (grouped.std(-1) + eps)
+    adv = torch.zeros_like(grouped)
+    adv.scatter_(1, top.indices[:, :1], margin.unsqueeze(1))
+    return _broadcast(adv.reshape(-1), mask)
+
+
+def opo_advantages(scores: torch.Tensor, num_generations: int, mask: torch.Tensor) -> torch.Tensor:
+    """OPO (Hao et al., 2025, arXiv 2505.23585): the baseline is the group's length-weighted mean score
+    `sum_j L_j r_j / sum_j L_j` (`L` the response lengths); no std scaling."""
+    g = _check_groups(scores.numel(), num_generations, "opo")
+    lengths = mask.to(scores.dtype).sum(-1).view(-1, g)
+    grouped = scores.view(-1, g)
+    baseline = (lengths * grouped).sum(-1, keepdim=True) / lengths.sum(-1, keepdim=True).clamp(min=1e-12)
+    if g == 1:
+        baseline = torch.zeros_like(baseline)
+    return _broadcast((grouped - baseline).reshape(-1), mask)
+
+
+def gdpo_token_advantages(scores_per_func: torch.Tensor, num_generations: int, mask: torch.Tensor,
+                          weights=None, eps: float = 1e-6) -> torch.Tensor:
+    """verl's `gdpo` estimator: the weighted sum over reward functions of each function's GRPO advantage
+    (`(r - mean_group) / (std_group + eps)`), whitened over the batch's valid tokens (longer completions weigh
+    more), 0 on padding. With one reward function it is the token-whitened GRPO advantage."""
+    if scores_per_func.dim() == 1:
+        scores_per_func = scores_per_func.unsqueeze(1)
+    n, k = scores_per_func.shape
+    g = _check_groups(n, num_generations, "gdpo")
+    w = [1.0] * k if weights is None else list(weights)
+    total = scores_per_func.new_zeros(n)
+    for j in range(k):
+        grouped = scores_per_func[:, j].view(-1, g)
+        if g > 1:
+            adv = (grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + eps)
+        else:
+            adv = grouped  # a group of one: mean 0, std 1 (verl)
+        total = total + w[j] * adv.reshape(-1)
+    return masked_whiten(_broadcast(total, mask), mask) * mask.to(total.dtype)
+
+
 def compute_advantages(
     name: str,
     *,
@@ -226,9 +292,13 @@ def compute_advantages(
     lam: float = 0.95,
     greedy_scores: torch.Tensor | None = None,
     scale_rewards: str = "group",
+    scores_per_func: torch.Tensor | None = None,
+    reward_weights=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Advantages of the estimator `name` (one of `ADVANTAGE_ESTIMATORS`).
 
+    `gdpo` uses `scores_per_func` `(B, K)` with `reward_weights` when given (else `scores` as one function);
+    `grpo_passk` scales by the group std unless `scale_rewards="none"`.
     `gae` and `reinforce_plus_plus` take `token_rewards` `(B, T)` (e.g. from
     `token_level_rewards`); the others take per-completion `scores` `(B,)`. `gae` also needs
     `values`, `remax` needs `greedy_scores`, and the group estimators (`grpo`, `rloo`, `dr_grpo`,
@@ -266,6 +336,15 @@ def compute_advantages(
         return rloo_advantages(scores, g, mask), None
     if name == "dr_grpo":
         return dr_grpo_advantages(scores, g, mask), None
+    if name == "gpg":
+        return gpg_advantages(scores, g, mask), None
+    if name == "grpo_passk":
+        return grpo_passk_advantages(scores, g, mask, scale_by_std=scale_rewards != "none"), None
+    if name == "opo":
+        return opo_advantages(scores, g, mask), None
+    if name == "gdpo":
+        per_func = scores_per_func if scores_per_func is not None else scores
+        return gdpo_token_advantages(per_func, g, mask, reward_weights), None
     return reinforce_pp_baseline_advantages(scores, mask, g), None
 
 

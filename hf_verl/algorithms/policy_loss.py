@@ -1,20 +1,41 @@
-"""PPO-clip policy loss (with clip-higher and dual-clip) and the loss aggregation modes.
+"""Loss aggregation modes (TRL's `loss_type`s and verl's `loss_agg_mode`s) and the PPO-clip loss.
 
-PPO clip (Schulman et al., 2017) with an asymmetric range ``[1 - epsilon_low, 1 + epsilon_high]``
-(clip-higher, DAPO: Yu et al., 2025) and, optionally, dual clip (Ye et al., 2020): for negative
-advantages the loss is also capped at ``-dual_clip * A``.
+Aggregation of a per-token loss `(B, T)` (or `(B, 1)`, broadcast over the tokens) under its 0/1 mask:
 
-Aggregation (`loss_type`, TRL's meanings): ``grpo`` averages each sequence over its tokens, then
-over sequences; ``bnpo`` averages over the tokens of the local batch; ``dr_grpo`` divides the
-token sum by ``batch_size * max_completion_length``; ``dapo`` divides by the number of
-completion tokens of the whole global batch (passed as `normalizer`).
+- ``grpo`` (verl ``seq-mean-token-mean``): average each sequence over its tokens, then over sequences.
+- ``bnpo``: average over the tokens of the local (micro-)batch.
+- ``dr_grpo`` (verl ``seq-mean-token-sum-norm``): the token sum divided by `B x max_completion_length`.
+- ``dapo`` (verl ``token-mean``): the token sum divided by `normalizer`, the caller's count of completion
+  tokens (the global batch's, per rank: averaging gradients over ranks then gives the global token mean).
+- ``luspo`` (verl ``seq-mean-token-sum``): sum each sequence over its tokens, then average over sequences.
+
+TRL's `loss_type` also picks the loss form (``cispo``, ``sapo``, ``vespo``); :data:`TRL_LOSS_TYPES` maps each
+to `(policy loss, aggregation)`. The forms themselves are in :mod:`hf_verl.algorithms.policy_losses`.
 """
 
 from __future__ import annotations
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from hf_verl.algorithms.policy_losses import PolicyLossParams, clip_loss
+
+AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+VERL_AGGREGATIONS = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo",
+                     "seq-mean-token-sum": "luspo"}
+TRL_LOSS_TYPES = {"grpo": ("clip", "grpo"), "bnpo": ("clip", "bnpo"), "dr_grpo": ("clip", "dr_grpo"),
+                  "dapo": ("clip", "dapo"), "luspo": ("clip", "luspo"), "cispo": ("cispo", "dapo"),
+                  "sapo": ("sapo", "grpo"), "vespo": ("vespo", "dapo")}
+LOSS_TYPES = tuple(TRL_LOSS_TYPES)
+
+
+def resolve_aggregation(name: str) -> str:
+    """An aggregation mode by hf_verl/TRL name or verl `loss_agg_mode`; a clear error otherwise."""
+    if name in AGGREGATIONS:
+        return name
+    if name in VERL_AGGREGATIONS:
+        return VERL_AGGREGATIONS[name]
+    raise ValueError(f"unknown loss aggregation {name!r}; choose one of {AGGREGATIONS} (or verl's "
+                     f"{tuple(VERL_AGGREGATIONS)}).")
 
 
 def ppo_clip_loss(
@@ -26,35 +47,18 @@ def ppo_clip_loss(
     epsilon_high: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token PPO-clip loss and clip statistics.
-
-    Args:
-        logp, old_logp (`torch.Tensor` `(B, T)`): current and behaviour log-probs of the tokens.
-        advantages (`torch.Tensor` `(B,)` or `(B, T)`): per-sequence or per-token advantages.
-        mask (`torch.Tensor` `(B, T)`): 1 on completion tokens.
-        epsilon_low (`float`): lower clip range. epsilon_high (`float`, *optional*): upper clip
-            range, defaults to `epsilon_low`.
-        dual_clip (`float`, *optional*): dual-clip constant `c > 1`; `None` disables it.
+    """Per-token PPO-clip loss and clip statistics (token-level `clip` of
+    :mod:`~hf_verl.algorithms.policy_losses`, with clip-higher and dual clip).
 
     Returns:
         `(per_token_loss (B, T), stats)` where stats holds per-token float indicators
-        `low_clip`, `high_clip`, `region_clip` (masked statistics are the caller's job).
+        `low_clip`, `high_clip`, `region_clip`, 0 off the mask.
     """
-    epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}.")
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    loss = -torch.min(ratio * advantages, clipped * advantages)
-    if dual_clip is not None:
-        capped = torch.min(loss, -dual_clip * advantages)
-        loss = torch.where(advantages < 0, capped, loss)
+    params = PolicyLossParams(clip_low=epsilon_low, clip_high=epsilon_high, dual_clip=dual_clip)
+    params.validate()
+    loss, stats = clip_loss(logp, old_logp, advantages, mask, params)
     maskf = mask.to(loss.dtype)
-    low = ((ratio < 1.0 - epsilon_low) & (advantages < 0)).to(loss.dtype) * maskf
-    high = ((ratio > 1.0 + epsilon_high) & (advantages > 0)).to(loss.dtype) * maskf
-    return loss, {"low_clip": low, "high_clip": high, "region_clip": torch.clamp(low + high, max=1)}
+    return loss, {k: v * maskf for k, v in stats.items()}
 
 
 def aggregate_loss(
@@ -65,8 +69,11 @@ def aggregate_loss(
     max_completion_length: int | None = None,
     normalizer: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a `(B, T)` per-token loss to a scalar per `loss_type` (see the module docstring)."""
+    """Reduce a `(B, T)` (or `(B, 1)`) per-token loss to a scalar per `loss_type`, one of `AGGREGATIONS` or
+    TRL's loss types (see the module docstring)."""
+    loss_type = TRL_LOSS_TYPES[loss_type][1] if loss_type in TRL_LOSS_TYPES else resolve_aggregation(loss_type)
     maskf = mask.to(per_token_loss.dtype)
+    per_token_loss = per_token_loss.expand_as(maskf)
     total = (per_token_loss * maskf).sum()
     if loss_type == "grpo":
         per_seq = (per_token_loss * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)
@@ -81,7 +88,7 @@ def aggregate_loss(
         if normalizer is None:
             raise ValueError("loss_type='dapo' needs the global completion-token count as normalizer.")
         return total / max(float(normalizer), 1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}.")
+    return (per_token_loss * maskf).sum(-1).mean()  # luspo
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
