@@ -220,7 +220,7 @@ def test_evaluation_reports_rewards(tmp_path):
     evals = Dataset.from_dict({"prompt": ["abc", "bcd", "cde"]})
     trainer = GRPOTrainer(model=_model(tok), reward_funcs=[one, none_for_b], train_dataset=train, eval_dataset=evals,
                           args=_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1,
-                                     per_device_eval_batch_size=2), processing_class=tok)
+                                     per_device_eval_batch_size=2, num_generations_eval=2), processing_class=tok)
     trainer.train()
     evals_logged = [h for h in trainer.state.log_history if "eval_reward" in h]
     assert [h["step"] for h in evals_logged] == [1, 2]

@@ -171,6 +171,27 @@ class RolloutBatch:
         }
         return dataclasses.replace(self, **changes)
 
+    def pad_to_multiple(self, multiple: int | None, pad_token_id: int) -> RolloutBatch:
+        """The batch with prompts left-padded and completions right-padded to a multiple of `multiple`
+        tokens (TRL's `pad_to_multiple_of`: fixed shapes for compilers and kernels); masks are 0 on the
+        added positions, so every loss and statistic is unchanged. `None` or 1 returns the batch itself."""
+        if multiple is None or multiple <= 1:
+            return self
+        P, C = self.prompt_ids.shape[1], self.completion_ids.shape[1]  # noqa: N806
+        extra_p, extra_c = -P % multiple, -C % multiple
+        if not extra_p and not extra_c:
+            return self
+        changes: dict[str, Any] = {}
+        for name, tensor in self.tensor_fields().items():
+            if tensor.dim() != 2:
+                continue
+            value = pad_token_id if name.endswith("_ids") else 0
+            if _TENSOR_SPEC[name][0] == "BP":
+                changes[name] = torch.nn.functional.pad(tensor, (extra_p, 0), value=value)
+            else:
+                changes[name] = torch.nn.functional.pad(tensor, (0, extra_c), value=value)
+        return dataclasses.replace(self, **changes).validate()
+
     def split(self, size: int) -> list[RolloutBatch]:
         """Consecutive chunks of at most `size` rows (micro-batches)."""
         if size < 1:

@@ -128,17 +128,24 @@ class AccelerateEngine(TrainingEngine):
 
     # ------------------------------------------------------------------ forward primitives
     def token_logprobs(self, input_ids, targets, select, *, attention_mask=None, position_ids=None,
-                       temperature=1.0, chunk_size=1024, with_entropy=False, with_mean_logit=False) -> TokenStats:
+                       temperature=1.0, chunk_size=1024, with_entropy=False, with_mean_logit=False,
+                       with_aux_loss=False) -> TokenStats:
         kwargs = self._forward(input_ids, attention_mask, position_ids)
+        if with_aux_loss:
+            kwargs["output_router_logits"] = True
         out = self.module(logits_to_keep=1, **kwargs)
         hidden = out.hidden_states[-1][select]
+        aux = getattr(out, "aux_loss", None) if with_aux_loss else None
+        if with_aux_loss and aux is None:
+            raise ValueError(f"the {self.role} model returned no aux_loss with output_router_logits=True: it is not a "
+                             "Mixture-of-Experts model; set router_aux_loss_coef=0.")
         del out
         head = self.model.get_output_embeddings()
         logp, entropy, mean_logit = logprobs_from_head(
             hidden, head, targets[select], temperature=temperature, chunk_size=chunk_size,
             with_entropy=with_entropy, with_mean_logit=with_mean_logit)
         self._release_after_forward(logp)
-        return TokenStats(logp, entropy, mean_logit)
+        return TokenStats(logp, entropy, mean_logit, aux)
 
     def _release_after_forward(self, result: torch.Tensor) -> None:
         """An FSDP2 root stays gathered after its forward for the backward; without one, reshard it now."""

@@ -41,6 +41,7 @@ class TokenStats:
     logp: torch.Tensor
     entropy: torch.Tensor | None = None
     mean_logit: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None  # a Mixture of Experts' router load-balancing loss, when asked
 
 
 def rollout_positions(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,8 +111,9 @@ class TrainingEngine(abc.ABC):
     def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, select: torch.Tensor, *,
                        attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                        temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                       with_mean_logit: bool = False) -> TokenStats:
-        """Log-probs of `targets[select]` given the prefix up to each selected position.
+                       with_mean_logit: bool = False, with_aux_loss: bool = False) -> TokenStats:
+        """Log-probs of `targets[select]` given the prefix up to each selected position (and the router
+        load-balancing loss of a Mixture-of-Experts model with `with_aux_loss`).
 
         Args:
             input_ids (`torch.Tensor` `(B, T)`): token ids (padded rows, or one packed row).
@@ -129,15 +131,21 @@ class TrainingEngine(abc.ABC):
         """The value head at `select` positions `(N,)` (a critic: sequence-classification model, one label)."""
 
     def logprobs(self, batch: RolloutBatch, *, temperature: float = 1.0, chunk_size: int = 1024,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(B, C)` log-probs of a rollout's completion tokens (and entropy if asked), 0 on padding."""
+                 with_entropy: bool = False, with_aux_loss: bool = False):
+        """`(B, C)` log-probs of a rollout's completion tokens (and entropy if asked), 0 on padding.
+
+        Returns:
+            `(logp, entropy)`; with `with_aux_loss`, `(logp, entropy, aux_loss)` where `aux_loss` is the
+            model's router load-balancing loss of this forward (a Mixture-of-Experts model).
+        """
         input_ids, mask, select, targets = rollout_positions(batch)
         stats = self.token_logprobs(input_ids, targets, select, attention_mask=mask,
                                     position_ids=position_ids_from_mask(mask),
                                     temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
-                                    with_entropy=with_entropy)
+                                    with_entropy=with_entropy, with_aux_loss=with_aux_loss)
         entropy = scatter_completion(batch, stats.entropy) if with_entropy else None
-        return scatter_completion(batch, stats.logp), entropy
+        logp = scatter_completion(batch, stats.logp)
+        return (logp, entropy, stats.aux_loss) if with_aux_loss else (logp, entropy)
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         """`(B, C)` critic values of the states before each completion token, 0 on padding."""

@@ -22,7 +22,11 @@ from hf_verl.algorithms.advantages import SCALE_REWARDS
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.importance import IS_MODES
 from hf_verl.algorithms.kl import KL_ESTIMATORS
-from hf_verl.algorithms.policy_loss import LOSS_TYPES
+from hf_verl.algorithms.policy_loss import LOSS_TYPES, VERL_AGGREGATIONS
+from hf_verl.algorithms.policy_losses import (
+    IS_LEVELS,
+    resolve_policy_loss,
+)
 
 _SIZE_RE = re.compile(r"^\s*\d+(\.\d+)?\s*[KMBT]?\s*$", re.IGNORECASE)
 
@@ -59,6 +63,14 @@ def _size(v) -> bool:
 
 
 _NONE = type(None)
+
+
+def _known_policy_loss(name: str) -> bool:
+    try:
+        resolve_policy_loss(name)
+    except ValueError:
+        return False
+    return True
 _ESTIMATORS = ("auto", *[e for e in ADVANTAGE_ESTIMATORS if e != "remax"])
 
 # The names and defaults are those of the TRL-style configs (GRPOConfig for what GRPO has, PPOConfig
@@ -92,8 +104,27 @@ FIELDS: dict[str, Field] = {
     "kl_estimator": Field("k3", (str,), lambda v: v in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}", "KL estimator."),
     "entropy_coef": Field(0.0, (float,), _nonneg, "a finite float >= 0", "Weight of the entropy bonus."),
     "vf_coef": Field(0.1, (float,), _nonneg, "a finite float >= 0", "Weight of the value loss."),
-    "loss_type": Field("dapo", (str,), lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}",
-                       "Aggregation of per-token losses (see hf_verl.algorithms.policy_loss)."),
+    "loss_type": Field("dapo", (str,), lambda v: v in LOSS_TYPES or v in VERL_AGGREGATIONS,
+                       f"one of {LOSS_TYPES} or verl's {tuple(VERL_AGGREGATIONS)}",
+                       "TRL's loss type: the aggregation of per-token losses and, for cispo / sapo / vespo, the loss "
+                       "form (see hf_verl.algorithms.policy_loss); verl's loss_agg_mode names also work."),
+    "policy_loss": Field(None, (str, _NONE), lambda v: v is None or _known_policy_loss(v),
+                         "None or a policy loss name (hf_verl.algorithms.policy_losses)",
+                         "The loss form by verl's name (vanilla, gspo, cispo, sapo, ...); None: loss_type's."),
+    "importance_sampling_level": Field("token", (str,), lambda v: v in IS_LEVELS, f"one of {IS_LEVELS}",
+                                       "'sequence': one ratio per sequence (GSPO)."),
+    "delta": Field(None, (float, _NONE), lambda v: v is None or v > 1.0, "None or a float > 1",
+                   "Two-sided clipping: cap the ratio at delta in the unclipped branch."),
+    "sapo_temperature_pos": Field(1.0, (float,), _pos, "a finite float > 0", "SAPO gate temperature, A > 0."),
+    "sapo_temperature_neg": Field(1.05, (float,), _pos, "a finite float > 0", "SAPO gate temperature, A <= 0."),
+    "off_policy_mask_threshold": Field(None, (float, _NONE), lambda v: v is None or math.isfinite(v),
+                                       "None or a finite float",
+                                       "Drop negative-advantage sequences whose mean sampling/current log-ratio "
+                                       "exceeds it (off-policy sequence masking)."),
+    "use_bias_correction_kl": Field(True, (bool,), lambda v: True, "True or False",
+                                    "Multiply the KL term by the importance ratio current/old (TRL's default)."),
+    "top_entropy_quantile": Field(1.0, (float,), _unit, "a float in [0, 1]",
+                                  "Train only on the top fraction of tokens by entropy (1.0: all)."),
     "learning_rate": Field(1e-6, (float,), _pos, "a finite float > 0", "Actor AdamW learning rate."),
     "critic_learning_rate": Field(None, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
                                   "Critic AdamW learning rate; None: learning_rate."),

@@ -37,7 +37,14 @@ import torch
 from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, tokenize_prompts
 from hf_verl.engine.accelerate_engine import AccelerateEngine
 from hf_verl.facade.config import TrainerConfig
-from hf_verl.facade.debug import DEFAULT_DEBUG_FILE, DebugRecorder, TraceLogger, new_trace_id, peak_memory_mb, trace
+from hf_verl.facade.debug import (
+    DEFAULT_DEBUG_FILE,
+    DebugRecorder,
+    TraceLogger,
+    new_trace_id,
+    peak_memory_mb,
+    trace,
+)
 from hf_verl.facade.prefetch import GENERATION_SETTINGS, Generated, Pending
 from hf_verl.facade.roles import LazyModel, model_device_dtype, vocab_size
 from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
@@ -611,10 +618,13 @@ class Trainer:
                 m.update(self._importance_weights(rollout))
             if cfg.beta > 0 and rollout.ref_logprobs is None:
                 rollout.ref_logprobs = self._reference_logprobs(rollout)
+            threshold = phases.entropy_threshold(self.dims, entropy, rollout.completion_mask, cfg.top_entropy_quantile)
             policy, st = losses.policy_loss(
-                logp, rollout, clip_low=cfg.epsilon, clip_high=cfg.epsilon_high, loss_type=cfg.loss_type,
+                logp, rollout, loss=losses.loss_form(cfg), params=losses.loss_params(cfg), loss_type=cfg.loss_type,
                 normalizer=normalizer, max_completion_length=cfg.max_completion_length, kl_coef=cfg.beta,
-                kl_estimator=cfg.kl_estimator, entropy=entropy, entropy_coef=cfg.entropy_coef)
+                kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.use_bias_correction_kl, entropy=entropy,
+                entropy_coef=cfg.entropy_coef, entropy_normalizer=normalizer, entropy_threshold=threshold,
+                off_policy_threshold=cfg.off_policy_mask_threshold)
             parts = [(actor, policy)]
             loss = policy
             m.update({"loss/policy": st["policy"].item(), "entropy": st["entropy"].item(),

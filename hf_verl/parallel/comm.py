@@ -41,6 +41,14 @@ def gather_rows(dims: ParallelDims, tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(parts, rows)]).to(tensor.device)
 
 
+def gather_ragged(dims: ParallelDims, values: torch.Tensor) -> torch.Tensor:
+    """The 1-D `values` of every data-parallel rank concatenated (rank order), whatever their lengths."""
+    if dims.dp_size == 1:
+        return values
+    padded = gather_padded(dims, values.float().unsqueeze(0), dim=1, pad_value=float("nan"))
+    return padded[~padded.isnan()]
+
+
 def gather_padded(dims: ParallelDims, tensor: torch.Tensor, dim: int = 1, pad_value: float = 0) -> torch.Tensor:
     """:func:`gather_rows` of a `(rows, width, ...)` tensor whose `width` differs between ranks: each
     rank's tensor is right-padded along `dim` with `pad_value` to the widest one first."""

@@ -12,15 +12,21 @@ from collections.abc import Callable
 
 import torch
 
-from hf_verl.algorithms.estimators import compute_advantages, masked_whiten, token_level_rewards
+from hf_verl.algorithms.estimators import (
+    compute_advantages,
+    masked_whiten,
+    token_level_rewards,
+)
 from hf_verl.algorithms.importance import importance_weights
+from hf_verl.algorithms.policy_losses import entropy_quantile
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.parallel import comm
 from hf_verl.parallel.dims import ParallelDims
 
 # estimators whose statistics span the round (groups, batch whitening): computed on gathered rows
-GLOBAL_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+GLOBAL_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
+                     "gpg", "grpo_passk", "opo", "gdpo")
 
 
 def chunked(fn: Callable[[RolloutBatch], torch.Tensor], batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
@@ -92,8 +98,9 @@ def global_masked_whiten(dims: ParallelDims, values: torch.Tensor, mask: torch.T
 def advantages(dims: ParallelDims, estimator: str, *, scores: torch.Tensor, mask: torch.Tensor,
                num_generations: int | None, gamma: float = 1.0, lam: float = 0.95,
                values: torch.Tensor | None = None, token_rewards: torch.Tensor | None = None,
-               greedy_scores: torch.Tensor | None = None,
-               scale_rewards: str = "group") -> tuple[torch.Tensor, torch.Tensor | None]:
+               greedy_scores: torch.Tensor | None = None, scale_rewards: str = "group",
+               scores_per_func: torch.Tensor | None = None,
+               reward_weights=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(advantages (B, C), returns (B, C) or None)` of this rank's rows with `estimator`.
 
     Per-sequence estimators (`gae`) run on the local rows; group and batch estimators run on the rows
@@ -113,9 +120,11 @@ def advantages(dims: ParallelDims, estimator: str, *, scores: torch.Tensor, mask
         all_tokens = comm.gather_padded(dims, token_rewards, dim=1)
     elif estimator == "reinforce_plus_plus":
         all_tokens, _ = token_level_rewards(all_scores, all_mask)
+    all_per_func = comm.gather_rows(dims, scores_per_func) if scores_per_func is not None else None
     adv, _ = compute_advantages(estimator, scores=all_scores, token_rewards=all_tokens, mask=all_mask,
                                 num_generations=num_generations, gamma=gamma, greedy_scores=all_greedy,
-                                scale_rewards=scale_rewards)
+                                scale_rewards=scale_rewards, scores_per_func=all_per_func,
+                                reward_weights=reward_weights)
     return comm.local_rows(dims, adv, n)[:, :width], None
 
 
@@ -137,3 +146,12 @@ def attach_importance_weights(batch: RolloutBatch, *, mode: str, clip_min: float
     if correct:
         batch.meta["is_weights"] = weights.detach()
     return stats
+
+
+def entropy_threshold(dims: ParallelDims, entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float) -> float | None:
+    """The entropy a token needs to be among the top `top_quantile` of the completion tokens of every
+    data-parallel rank (TRL's `top_entropy_quantile`); None when it is 1 (every token trains)."""
+    if top_quantile >= 1.0:
+        return None
+    values = comm.gather_ragged(dims, entropy.detach()[mask.bool()])
+    return entropy_quantile(values, 1.0 - top_quantile)

@@ -17,12 +17,44 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 FINISH_STOP = "stop"  # end-of-sequence token or a stop string was produced
 FINISH_LENGTH = "length"  # max_new_tokens was reached first
+
+
+GENERATION_KWARGS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_tokens": "max_new_tokens",
+                     "max_new_tokens": "max_new_tokens", "stop": "stop", "seed": "seed", "do_sample": None}
+"""`generation_kwargs` keys every engine honours, with the :class:`SamplingParams` field each sets (`do_sample`:
+False means greedy, temperature 0)."""
+
+
+def check_generation_kwargs(kwargs: dict) -> None:
+    """Refuse `generation_kwargs` keys no engine can honour, naming the ones it can."""
+    unknown = sorted(set(kwargs) - set(GENERATION_KWARGS))
+    if unknown:
+        raise ValueError(f"generation_kwargs keys {unknown} are not supported by hf_verl's engines; supported: "
+                         f"{sorted(GENERATION_KWARGS)}.")
+
+
+def apply_generation_kwargs(sampling: SamplingParams, kwargs: dict | None) -> SamplingParams:
+    """`sampling` with the `generation_kwargs` overrides applied (they win over the config's fields, as in TRL)."""
+    if not kwargs:
+        return sampling
+    check_generation_kwargs(kwargs)
+    updates = {}
+    for key, value in kwargs.items():
+        if key == "do_sample":
+            if not value:
+                updates["temperature"] = 0.0
+            continue
+        if key == "stop":
+            value = (value,) if isinstance(value, str) else tuple(value or ())
+        updates[GENERATION_KWARGS[key]] = value
+    return replace(sampling, **updates)
 
 
 @dataclass(frozen=True)

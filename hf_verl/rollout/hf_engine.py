@@ -46,17 +46,20 @@ class TransformersEngine(RolloutEngine):
             prompts in one call.
         use_generate (`bool`, defaults to `False`): always decode with ``model.generate`` instead
             of the lean loop (which is used whenever no stop strings are set).
+        cache_implementation (`str`, *optional*): ``model.generate``'s KV-cache kind (e.g. ``"static"``);
+            setting it decodes with ``model.generate``.
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int | None = None,
-                 use_generate: bool = False) -> None:
+                 use_generate: bool = False, cache_implementation: str | None = None) -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}.")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self.use_generate = use_generate
+        self.use_generate = use_generate or cache_implementation is not None
+        self.cache_implementation = cache_implementation
         eos = tokenizer.eos_token_id
         if eos is None:
             eos = getattr(model.generation_config, "eos_token_id", None)
@@ -254,6 +257,8 @@ class TransformersEngine(RolloutEngine):
             )
         if sampling.stop:
             kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
+        if self.cache_implementation is not None:
+            kwargs["cache_implementation"] = self.cache_implementation
         out = self.model.generate(**kwargs)
 
         generated = out.sequences[:, width:]

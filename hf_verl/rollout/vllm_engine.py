@@ -26,7 +26,13 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from hf_verl.rollout.base import FINISH_LENGTH, FINISH_STOP, GenerationOutput, RolloutEngine, SamplingParams
+from hf_verl.rollout.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +45,15 @@ class VLLMEngine(RolloutEngine):
         dtype (`str`, defaults to `"auto"`), max_model_len (`int`, *optional*),
         gpu_memory_utilization (`float`, defaults to 0.3), tensor_parallel_size (`int`, defaults to 1),
         enforce_eager (`bool`, *optional*; default True on CPU), enable_sleep_mode (`bool`),
-        seed (`int`, defaults to 0): passed to `vllm.LLM`, with any other `llm_kwargs`.
+        seed (`int`, defaults to 0): passed to `vllm.LLM`, with any other `llm_kwargs` (e.g. `model_impl`).
+        structured_outputs_regex (`str`, *optional*): every completion is constrained to match it.
         bucket_bytes (`int`, defaults to 256 MiB): bucket size the trainer streams weights in.
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
-                 enable_sleep_mode: bool = False, seed: int = 0, bucket_bytes: int = 256 * 2**20, **llm_kwargs) -> None:
+                 enable_sleep_mode: bool = False, seed: int = 0, bucket_bytes: int = 256 * 2**20,
+                 structured_outputs_regex: str | None = None, **llm_kwargs) -> None:
         super().__init__()
         on_gpu = torch.cuda.is_available()
         # in-process engine core: streamed weight reloads (a generator) cannot cross a process boundary
@@ -65,6 +73,7 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self.bucket_bytes = bucket_bytes
+        self.structured_outputs_regex = structured_outputs_regex
         self.on_gpu = on_gpu
         self._tmpdir = None
 
@@ -89,7 +98,7 @@ class VLLMEngine(RolloutEngine):
             n=1, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1, min_p=sampling.min_p or 0.0,
             repetition_penalty=sampling.repetition_penalty, stop=list(sampling.stop) or None, seed=sampling.seed,
-            logprobs=0,
+            logprobs=0, **self._structured(),
         )
         if row_seeds is not None:  # vLLM seeds per request: one set of params per row
             if len(row_seeds) != len(prompts):
@@ -107,6 +116,14 @@ class VLLMEngine(RolloutEngine):
             reasons.append(FINISH_STOP if c.finish_reason == "stop" else FINISH_LENGTH)
         return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons,
                                 weight_version=self.weight_version)
+
+    def _structured(self) -> dict:
+        """vLLM's structured-output constraint (a regular expression every completion must match), if any."""
+        if self.structured_outputs_regex is None:
+            return {}
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return {"structured_outputs": StructuredOutputsParams(regex=self.structured_outputs_regex)}
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload all HF-named full tensors in place in one streamed call; then reset the prefix cache."""

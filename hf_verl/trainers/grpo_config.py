@@ -9,19 +9,37 @@ everywhere, which makes CPU runs several times slower).
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import TrainingArguments
 
-from hf_verl.trainers.parallel_args import ParallelArguments
-
 from hf_verl.algorithms.advantages import SCALE_REWARDS
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
+from hf_verl.trainers.parallel_args import ParallelArguments
+from hf_verl.trainers.policy_args import (
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    PolicyLossArguments,
+)
 from hf_verl.trainers.rollout_args import RolloutArguments
 from hf_verl.trainers.vllm_args import VLLMArguments
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
+    """TRL's `pad_to_multiple_of`: "auto" (None off Neuron devices), "none"/"null", or a positive int."""
+    if isinstance(value, str):
+        if value == "auto" or value.lower() in ("none", "null"):
+            return None
+        value = int(value)
+    if value is not None and value < 1:
+        raise ValueError(f"pad_to_multiple_of must be a positive integer, 'auto' or None, got {value}.")
+    return value
 
 
 def _help(text: str) -> Any:
@@ -29,7 +47,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArguments):
+class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossArguments):
     """Configuration of :class:`~hf_verl.GRPOTrainer` (a `transformers.TrainingArguments`).
 
     Generation: `num_generations` completions per prompt, of at most `max_completion_length`
@@ -71,13 +89,64 @@ class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArg
     advantage_estimator: str = field(default="grpo", metadata=_help(
         "Critic-free estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."))
     mask_truncated_completions: bool = field(default=False, metadata=_help("Exclude completions that hit max_completion_length from the loss."))
-    log_completions: bool = field(default=False, metadata=_help("Log a sample of completions."))
+    log_completions: bool = field(default=False, metadata=_help(
+        "Log a sample of completions at each log, and write every logged round to output_dir/completions/*.parquet."))
+    num_completions_to_print: int | None = field(default=None, metadata=_help(
+        "Completions shown per log with log_completions (None: all of the round; <= 0: none)."))
+    log_unique_prompts: bool = field(default=False, metadata=_help("Show each prompt once in the logged sample."))
+    log_multimodal: bool = field(default=True, metadata=_help(
+        "Log images with completions (TRL); hf_verl trains text only and refuses image columns, so there are none."))
+    log_completions_hub_repo: str | None = field(default=None, metadata=_help(
+        "Not supported: completions are written to output_dir/completions; upload that folder yourself."))
+
+    # --- model loading and the forward
+    trust_remote_code: bool = field(default=False, metadata=_help(
+        "Allow custom model code when loading the policy, its tokenizer and reward models by id."))
+    router_aux_loss_coef: float | None = field(default=None, metadata=_help(
+        "Weight of a Mixture-of-Experts router load-balancing loss; None: the model config's own coefficient."))
+    cast_lm_head_to_fp32: bool = field(default=False, metadata=_help(
+        "Keep the LM head in float32 and compute the log-probs from float32 hidden states."))
+    pad_to_multiple_of: int | str | None = field(default="auto", metadata=_help(
+        "Pad rollout prompt and completion tensors to a multiple of this; 'auto': None (TRL: 128 on Neuron only)."))
+
+    # --- generation
+    generation_kwargs: dict | None = field(default=None, metadata=_help(
+        "Sampling settings that override the fields above (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_tokens / max_new_tokens, stop)."))
+    chat_template_kwargs: dict | None = field(default=None, metadata=_help(
+        "Extra keyword arguments of apply_chat_template for conversational prompts (e.g. enable_thinking)."))
+    cache_implementation: str | None = field(default=None, metadata=_help(
+        "transformers generate's cache_implementation (e.g. 'static'); used by the transformers engine."))
+    num_generations_eval: int | None = field(default=None, metadata=_help(
+        "Completions per prompt in evaluate(); None: num_generations."))
+    ds3_gather_for_generation: bool = field(default=True, metadata=_help(
+        "ZeRO-3: generate on gathered weights (hf_verl always does, on a replica kept in step by weight sync)."))
+    use_transformers_continuous_batching: bool = field(default=False, metadata=_help(
+        "Not supported: use use_vllm=True for batched serving-style generation."))
+    transformers_continuous_batching_config: dict | None = field(default=None, metadata=_help(
+        "Only with use_transformers_continuous_batching (not supported)."))
+    use_transformers_paged: bool = field(default=False, metadata=_help(
+        "Deprecated alias of use_transformers_continuous_batching (not supported)."))
+    max_tool_calling_iterations: int | None = field(default=None, metadata=_help(
+        "Most tool-calling rounds per completion when tools are given; None: no limit but the token budget."))
+    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata=_help(
+        "'sum_then_normalize': weight and sum the rewards, then normalise per group; 'normalize_then_sum' (GDPO): "
+        "normalise each reward per group, then weight, sum and normalise over the batch."))
+    sync_ref_model: bool = field(default=False, metadata=_help(
+        "Mix the policy into the reference every ref_model_sync_steps steps (TR-DPO); needs beta > 0."))
+    ref_model_mixup_alpha: float = field(default=0.6, metadata=_help("ref <- (1 - alpha) ref + alpha policy."))
+    ref_model_sync_steps: int = field(default=512, metadata=_help("Optimizer steps between reference syncs."))
 
     def __post_init__(self) -> None:
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
+        for name in ("generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().startswith("{"):  # from the command line
+                setattr(self, name, json.loads(value))
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
         super().__post_init__()
         self._take_over_deepspeed()
         self._validate()
@@ -87,6 +156,9 @@ class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArg
             raise ValueError(
                 f"num_generations must be >= 2 for group-relative advantages, got {self.num_generations}."
             )
+        if self.vllm_importance_sampling_cap is not None:
+            logger.warning("vllm_importance_sampling_cap is deprecated (TRL): it sets vllm_importance_sampling_clip_max.")
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"unknown loss_type {self.loss_type!r}; choose one of {LOSS_TYPES}.")
         if self.advantage_estimator == "gae":
@@ -108,7 +180,40 @@ class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArg
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         self._validate_vllm()
         self._validate_rollout()
+        self._validate_policy_loss()
+        self._validate_trl_extras()
         self._resolve_generation_batch()
+
+    def _validate_trl_extras(self) -> None:
+        if self.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+            raise ValueError(f"multi_objective_aggregation must be one of {MULTI_OBJECTIVE_AGGREGATIONS}, got "
+                             f"{self.multi_objective_aggregation!r}.")
+        if self.log_completions_hub_repo is not None:
+            raise ValueError("log_completions_hub_repo is not supported: with log_completions=True the completions are "
+                             "written to <output_dir>/completions/*.parquet; push that folder with huggingface_hub.")
+        if self.use_transformers_continuous_batching or self.use_transformers_paged:
+            raise ValueError("use_transformers_continuous_batching / use_transformers_paged are not supported: hf_verl's "
+                             "transformers engine decodes the whole round in one batched KV-cached loop; for "
+                             "serving-style batching use use_vllm=True.")
+        if self.transformers_continuous_batching_config is not None:
+            raise ValueError("transformers_continuous_batching_config applies only to use_transformers_continuous_batching, "
+                             "which hf_verl does not support; remove it.")
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("sync_ref_model=True needs a reference model: set beta > 0.")
+        if self.sync_ref_model and not (0.0 <= self.ref_model_mixup_alpha <= 1.0 and self.ref_model_sync_steps >= 1):
+            raise ValueError("ref_model_mixup_alpha must be in [0, 1] and ref_model_sync_steps >= 1.")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}.")
+        if self.generation_kwargs is not None:
+            from hf_verl.rollout.base import check_generation_kwargs
+
+            check_generation_kwargs(self.generation_kwargs)
+        if self.do_eval and self.eval_strategy != "no":
+            g = self.num_generations_eval or self.num_generations
+            if (self.per_device_eval_batch_size * self.data_parallel_size) % g:
+                raise ValueError(f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) x "
+                                 f"{self.data_parallel_size} data-parallel ranks must be divisible by the evaluation "
+                                 f"group size ({g}, num_generations_eval or num_generations).")
 
     def _resolve_generation_batch(self) -> None:
         global_batch = self.per_device_train_batch_size * self.data_parallel_size

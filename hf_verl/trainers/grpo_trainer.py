@@ -15,13 +15,15 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_verl.algorithms.advantages import grpo_advantages
+from hf_verl.algorithms.advantages import gdpo_advantages, grpo_advantages
 from hf_verl.data.batch import RolloutBatch
+from hf_verl.engine.model_options import cast_lm_head_to_fp32, router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline import losses, phases
 from hf_verl.rewards.callables import combine_rewards
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.on_policy import OnPolicyTrainer
+from hf_verl.trainers.policy_control import EntropyController, ReferenceMixCallback
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +51,37 @@ class GRPOTrainer(OnPolicyTrainer):
             name = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
+            init_kwargs = dict(args.model_init_kwargs or {})
+            init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
+                                                             trust_remote_code=args.trust_remote_code)
         if peft_config is not None:
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
+        if args.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(model)
+        self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss(model, args.router_aux_loss_coef)
+        if args.sync_ref_model and peft_config is not None:
+            raise ValueError("sync_ref_model=True with a PEFT model: the reference is the base model with adapters "
+                             "disabled and cannot be mixed; set sync_ref_model=False or train without peft_config.")
         if args.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {args.vllm_mode!r}.")
         super().__init__(model=model, args=args, reward_funcs=reward_funcs,
                          reward_processing_classes=reward_processing_classes, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, need_reference=args.beta > 0, is_peft=peft_config is not None)
+        if not args.ds3_gather_for_generation and self.backend.kind == "deepspeed" and self.backend.zero_stage == 3:
+            raise ValueError("ds3_gather_for_generation=False (generating on ZeRO-3 partitioned weights) is not "
+                             "supported: hf_verl generates on a full replica kept in step by bucketed weight sync, "
+                             "which needs no gathering per token; remove ds3_gather_for_generation.")
+        self.entropy_control = EntropyController.from_args(args)
+        self._loss_form = args.resolved_policy_loss()
+        self._loss_params = args.policy_loss_params()
+        if args.sync_ref_model:
+            self.add_callback(ReferenceMixCallback(self))
 
     def _max_new_tokens(self) -> int:
         return self.args.max_completion_length
@@ -73,7 +93,11 @@ class GRPOTrainer(OnPolicyTrainer):
             batch.completion_mask = batch.completion_mask * (~batch.is_truncated).long().unsqueeze(1)
         local = combine_rewards(rewards_per_func, args.reward_weights)
         all_rewards = comm.gather_rows(dims, local)  # group normalisation over the global round
-        advantages, group_std = grpo_advantages(all_rewards, args.num_generations, args.scale_rewards)
+        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward normalised per group
+            advantages, group_std = gdpo_advantages(comm.gather_rows(dims, rewards_per_func), args.num_generations,
+                                                    args.reward_weights)
+        else:
+            advantages, group_std = grpo_advantages(all_rewards, args.num_generations, args.scale_rewards)
         batch.rewards = local
         if args.advantage_estimator == "grpo":
             batch.advantages = comm.local_rows(dims, advantages, local.shape[0])
@@ -81,15 +105,17 @@ class GRPOTrainer(OnPolicyTrainer):
             greedy = self._greedy_baseline_scores(batch, rows) if args.advantage_estimator == "remax" else None
             batch.advantages, _ = phases.advantages(
                 dims, args.advantage_estimator, scores=local, mask=batch.completion_mask,
-                num_generations=args.num_generations, greedy_scores=greedy, scale_rewards=args.scale_rewards)
+                num_generations=args.num_generations, greedy_scores=greedy, scale_rewards=args.scale_rewards,
+                scores_per_func=torch.nan_to_num(rewards_per_func), reward_weights=args.reward_weights)
         batch.validate()
         # dapo: token mean over the round; each micro-batch loss is later divided by grad accumulation
         normalizer = phases.global_token_count(dims, batch.completion_mask) / (args.steps_per_generation * dims.dp_size)
         micro = self._split_round(batch)
         t_ref = time.perf_counter()
         off_policy = args.use_vllm or args.use_async_rollout  # sampled by another engine or older weights
-        for mb in micro:
+        for mb, entropy_count in zip(micro, self._micro_batch_normalizers(micro)):
             mb.meta["loss_normalizer"] = normalizer
+            mb.meta["token_normalizer"] = entropy_count
             if args.beta > 0:
                 mb.ref_logprobs = self._reference_logprobs(mb)
             if self._policy_moves_within_round() or off_policy:
@@ -119,14 +145,48 @@ class GRPOTrainer(OnPolicyTrainer):
     # ------------------------------------------------------------------ loss
     def _micro_batch_losses(self, batch: RolloutBatch) -> list[tuple]:
         args, m = self.args, self._metrics
-        logp, entropy = self._token_logprobs(batch, with_entropy=True)
+        out = self._token_logprobs(batch, with_entropy=True, with_aux_loss=self.aux_loss_enabled)
+        logp, entropy = out[0], out[1]
+        threshold = self._entropy_threshold(entropy, batch)
+        control = self.entropy_control
         loss, stats = losses.policy_loss(
-            logp, batch, clip_low=args.epsilon, clip_high=args.epsilon_high, dual_clip=args.dual_clip,
-            loss_type=args.loss_type, normalizer=batch.meta.get("loss_normalizer"),
-            max_completion_length=args.max_completion_length, kl_coef=args.beta, kl_estimator="k3", entropy=entropy)
+            logp, batch, loss=self._loss_form, params=self._loss_params, loss_type=args.loss_type,
+            normalizer=batch.meta.get("loss_normalizer"), max_completion_length=args.max_completion_length,
+            kl_coef=args.beta, kl_estimator="k3", kl_bias_correction=args.use_bias_correction_kl, entropy=entropy,
+            entropy_coef=control.applied_coef() if control else 0.0,
+            entropy_normalizer=batch.meta.get("token_normalizer"), entropy_threshold=threshold,
+            off_policy_threshold=args.off_policy_mask_threshold)
         if args.beta > 0:
             m["kl"].append(stats["kl"].item())
         m["entropy"].append(stats["entropy"].item())
-        for name in ("low", "high", "region"):
-            m[f"clip_ratio/{name}_mean"].append(stats[f"clip_{name}"].item())
+        if self._loss_form in ("clip", "gspo"):
+            for name in ("low", "high", "region"):
+                m[f"clip_ratio/{name}_mean"].append(stats[f"clip_{name}"].item())
+        elif self._loss_form == "cispo":
+            m["cispo_clip_ratio"].append(stats["cispo_clip"].item())
+        elif self._loss_form == "vespo":
+            m["vespo/phi_seq_mean"].append(stats["vespo_phi"].item())
+        if control is not None:
+            m["policy_loss"].append(stats["policy"].item())
+            control.observe(entropy.detach(), batch.completion_mask, self.dims)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * out[2]
+            m["aux_loss"].append(out[2].item())
         return [(self.actor, loss)]
+
+    def _optimizer_step_done(self) -> None:
+        if self.entropy_control is not None:
+            self._metrics["entropy_coef"].append(self.entropy_control.end_step(self.dims))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.entropy_control is not None and self.args.should_save:
+            self.entropy_control.save(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.entropy_control is not None and checkpoint is not None:
+            self.entropy_control.load(checkpoint)
+
+    def _eval_generations(self) -> int:
+        return self.args.num_generations_eval or self.args.num_generations

@@ -28,7 +28,12 @@ from torch.utils.data import Sampler
 from transformers import Trainer
 
 from hf_verl.data.batch import RolloutBatch
-from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, pretokenized_prompts, tokenize_prompts
+from hf_verl.data.prompts import (
+    check_prompt_column,
+    ensure_pad_token,
+    pretokenized_prompts,
+    tokenize_prompts,
+)
 from hf_verl.data.samplers import RepeatGroupSampler
 from hf_verl.parallel import comm
 from hf_verl.pipeline import generation, phases
@@ -37,7 +42,7 @@ from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
 from hf_verl.rewards.callables import combine_rewards, reward_func_name
 from hf_verl.rewards.reward_model import resolve_reward_sources
-from hf_verl.rollout.base import RolloutEngine, SamplingParams
+from hf_verl.rollout.base import RolloutEngine, SamplingParams, apply_generation_kwargs
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
 from hf_verl.trainers.vllm_args import colocate_max_model_len
@@ -56,6 +61,11 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             model.config.use_cache = False
         if train_dataset is not None and "input_ids" not in (train_dataset.column_names or []):
             check_prompt_column(train_dataset.column_names)
+        for ds in (train_dataset, *((eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]))):
+            images = sorted({"image", "images"} & set(getattr(ds, "column_names", None) or []))
+            if images:
+                raise ValueError(f"the dataset has image column(s) {images}: hf_verl trains text-only models; drop "
+                                 "the column(s) (dataset.remove_columns) or use a text-only dataset.")
         self.reward_funcs = resolve_reward_sources(reward_funcs, reward_processing_classes)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
         backend, dims = launch_layout(args.world_size)
@@ -78,7 +88,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                             lambda m: self._make_engine(m.to(device), "reward", trainable=False),
                             async_rollout=getattr(args, "use_async_rollout", False))
         engine_model = self.actor.model if replica is None else replica.to(device)
-        self.engine: RolloutEngine = TransformersEngine(engine_model, processing_class)
+        self.engine: RolloutEngine = TransformersEngine(
+            engine_model, processing_class, cache_implementation=getattr(args, "cache_implementation", None))
         self._metrics: dict[str, list[float]] = defaultdict(list)
         # the Trainer divides each micro-batch loss by the accumulation steps (rows carry no labels)
         self.model_accepts_loss_kwargs = False
@@ -106,7 +117,9 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                 policy, processing_class, dtype=str(policy.dtype).replace("torch.", ""), max_model_len=length,
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
-                seed=args.seed + self.dims.dp_rank)
+                seed=args.seed + self.dims.dp_rank, model_impl=args.vllm_model_impl,
+                structured_outputs_regex=args.vllm_structured_outputs_regex,
+                trust_remote_code=getattr(args, "trust_remote_code", False))
         import os
 
         from hf_verl.rollout.remote import RemoteEngine
@@ -117,12 +130,14 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
 
     # ------------------------------------------------------------------ data
     def _sampling_params(self) -> SamplingParams:
+        """The config's sampling fields, overridden by `generation_kwargs` (TRL's precedence)."""
         a = self.args
-        return SamplingParams(max_new_tokens=self._max_new_tokens(), temperature=a.temperature,
-                              top_p=getattr(a, "top_p", 1.0), top_k=getattr(a, "top_k", 0),
-                              min_p=getattr(a, "min_p", None),
-                              repetition_penalty=getattr(a, "repetition_penalty", 1.0),
-                              stop=tuple(getattr(a, "stop", None) or ()))
+        sampling = SamplingParams(max_new_tokens=self._max_new_tokens(), temperature=a.temperature,
+                                  top_p=getattr(a, "top_p", 1.0), top_k=getattr(a, "top_k", 0),
+                                  min_p=getattr(a, "min_p", None),
+                                  repetition_penalty=getattr(a, "repetition_penalty", 1.0),
+                                  stop=tuple(getattr(a, "stop", None) or ()))
+        return apply_generation_kwargs(sampling, getattr(a, "generation_kwargs", None))
 
     def _max_new_tokens(self) -> int:
         raise NotImplementedError
@@ -153,7 +168,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         datasets) and the prompts as the reward functions see them."""
         if "prompt" in rows[0]:
             prompts = [r["prompt"] for r in rows]
-            return tokenize_prompts(prompts, self.processing_class, self._prompt_limit), prompts
+            return tokenize_prompts(prompts, self.processing_class, self._prompt_limit,
+                                    getattr(self.args, "chat_template_kwargs", None)), prompts
         tok = pretokenized_prompts(rows, self.processing_class, self._prompt_limit)
         return tok, tok.texts
 
@@ -202,6 +218,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             t1 = time.perf_counter()
             rewards_per_func = generation.score(self.reward_funcs, batch, columns)
             timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}
+        batch = batch.pad_to_multiple(getattr(self.args, "pad_to_multiple_of", None), self.processing_class.pad_token_id)
         return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func,
                 "num_truncated": tok.num_truncated, "timings": timings}
 
@@ -313,8 +330,10 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         return a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps
 
     def _logprob_kwargs(self) -> dict:
+        """Scoring settings: the temperature the completions were sampled at (`generation_kwargs` included)."""
         a = self.args
-        return {"temperature": a.temperature if a.temperature > 0 else 1.0, "chunk_size": a.logprob_chunk_size,
+        temperature = self._sampling_params().temperature
+        return {"temperature": temperature if temperature > 0 else 1.0, "chunk_size": a.logprob_chunk_size,
                 "micro_batch": a.per_device_train_batch_size}
 
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -323,11 +342,15 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
     def _old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         return phases.policy_logprobs(self.actor, batch, **self._logprob_kwargs())
 
-    def _token_logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
-        """The actor's log-probs of the completion tokens (with gradient), from its engine."""
+    def _token_logprobs(self, batch: RolloutBatch, with_entropy: bool = False, with_aux_loss: bool = False):
+        """The actor's log-probs of the completion tokens (with gradient), from its engine (see
+        :meth:`TrainingEngine.logprobs`)."""
         kw = self._logprob_kwargs()
         return self.actor.logprobs(batch, temperature=kw["temperature"], chunk_size=kw["chunk_size"],
-                                   with_entropy=with_entropy)
+                                   with_entropy=with_entropy, with_aux_loss=with_aux_loss)
+
+    def _entropy_threshold(self, entropy: torch.Tensor, batch: RolloutBatch) -> float | None:
+        return phases.entropy_threshold(self.dims, entropy, batch.completion_mask, self.args.top_entropy_quantile)
 
     def _micro_batch_normalizers(self, micro: list[RolloutBatch]) -> list[float]:
         """Per micro-batch: completion tokens of the same micro-batch on every data-parallel rank, divided
@@ -345,10 +368,13 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         m["perf/tokens_per_second"].append(batch.num_completion_tokens / max(timings["generate"], 1e-9))
 
     # ------------------------------------------------------------------ evaluation
+    def _eval_generations(self) -> int:
+        """Completions per evaluation prompt (GRPO: `num_generations_eval`, else `num_generations`)."""
+        return 1
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Roll out one completion per evaluation prompt with the training sampling settings and
-        report the mean rewards (`<prefix>_reward`, `<prefix>_rewards/<func>/mean`) and completion
+        """Roll out `_eval_generations()` completions per evaluation prompt with the training sampling settings
+        and report the mean rewards (`<prefix>_reward`, `<prefix>_rewards/<func>/mean`) and completion
         length; prompts are split across data-parallel ranks and the sums reduced."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
@@ -363,12 +389,13 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         self._sync_engine()
         dims = self.dims
         shard = dataset.shard(num_shards=dims.dp_size, index=dims.dp_rank, contiguous=True)
-        size = self.args.per_device_eval_batch_size
+        repeats = self._eval_generations()
+        size = max(self.args.per_device_eval_batch_size // repeats, 1)  # prompts per batch
         n_funcs = len(self.reward_funcs)
         # sums: combined reward, completion tokens, rows, then per function (sum, count of non-None)
         totals = torch.zeros(3 + 2 * n_funcs, dtype=torch.float64)
         for start in tqdm(range(0, len(shard), size), desc="Evaluating", disable=not self.is_local_process_zero()):
-            rows = [shard[i] for i in range(start, min(start + size, len(shard)))]
+            rows = [shard[i] for i in range(start, min(start + size, len(shard))) for _ in range(repeats)]
             tok, prompts = self._tokenize_rows(rows)
             batch = self._generate(tok.ids, prompts)
             per_func = self._score(batch, rows).double().cpu()
@@ -411,6 +438,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             self._buffer = self._rollout_round_or_checkpoint(inputs)
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
+        step_ends = self._micro_step % args.gradient_accumulation_steps == 0
         t0 = time.perf_counter()
         for engine in self._trained_engines():
             engine.train()
@@ -422,7 +450,12 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             engine.backward(loss * scale)
             total = total + loss.detach()
         self._metrics["timing_s/update"].append(time.perf_counter() - t0)
+        if step_ends:
+            self._optimizer_step_done()
         return total * scale
+
+    def _optimizer_step_done(self) -> None:
+        """Called after the last micro-batch of an optimizer step (before the step itself)."""
 
     def _trained_engines(self) -> list:
         return [self.actor]

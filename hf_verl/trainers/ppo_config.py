@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from hf_verl.trainers.parallel_args import ParallelArguments
-
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from hf_verl.algorithms.policy_loss import resolve_aggregation
+from hf_verl.trainers.parallel_args import ParallelArguments
+from hf_verl.trainers.policy_args import PolicyLossArguments
 from hf_verl.trainers.rollout_args import RolloutArguments
 from hf_verl.trainers.vllm_args import VLLMArguments
 
@@ -41,7 +42,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArguments):
+class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossArguments):
     """Configuration of :class:`~hf_verl.PPOTrainer` (a `transformers.TrainingArguments`).
 
     TRL's fields keep their names and defaults: `num_ppo_epochs=4`, `num_mini_batches=1`,
@@ -75,6 +76,13 @@ class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArgu
     kl_coef: float = field(default=0.05, metadata=_help("KL coefficient (initial value for the adaptive controller)."))
     kl_estimator: str = field(default="k1", metadata=_help("'k1' or 'k3' KL estimator."))
     cliprange: float = field(default=0.2, metadata=_help("Policy ratio clip range."))
+    cliprange_high: float | None = field(default=None, metadata=_help(
+        "Upper policy clip range (clip-higher, verl clip_ratio_high); None: cliprange."))
+    loss_agg_mode: str = field(default="token-mean", metadata=_help(
+        "Loss aggregation, verl's names (token-mean, seq-mean-token-mean, seq-mean-token-sum, "
+        "seq-mean-token-sum-norm) or hf_verl/TRL's (dapo, grpo, luspo, dr_grpo, bnpo)."))
+    use_bias_correction_kl: bool = field(default=False, metadata=_help(
+        "With use_kl_loss: multiply the KL loss by the importance ratio current/old (TRL GRPO's correction)."))
     vf_coef: float = field(default=0.1, metadata=_help("Value loss coefficient."))
     cliprange_value: float = field(default=0.2, metadata=_help("Value clip range around the rollout values."))
     gamma: float = field(default=1.0, metadata=_help("Discount factor."))
@@ -168,7 +176,12 @@ class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArgu
                 raise ValueError(message)
         self._validate_vllm()
         self._validate_rollout()
-        group = self.advantage_estimator in ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline")
+        self._validate_policy_loss()
+        resolve_aggregation(self.loss_agg_mode)
+        if self.use_adaptive_entropy:
+            raise ValueError("use_adaptive_entropy is a GRPO option (TRL); PPOTrainer takes a fixed entropy_coef.")
+        group = self.advantage_estimator in ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline", "gpg",
+                                             "grpo_passk", "opo", "gdpo")
         if group and self.num_generations < 2:
             raise ValueError(
                 f"advantage_estimator={self.advantage_estimator!r} compares completions of one prompt: "

@@ -25,7 +25,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_verl.algorithms.estimators import AdaptiveKLController, FixedKLController, token_level_rewards
+from hf_verl.algorithms.estimators import (
+    AdaptiveKLController,
+    FixedKLController,
+    token_level_rewards,
+)
 from hf_verl.algorithms.kl import kl_penalty
 from hf_verl.algorithms.policy_loss import masked_mean
 from hf_verl.data.batch import RolloutBatch
@@ -261,9 +265,13 @@ class PPOTrainer(OnPolicyTrainer):
         if not warming_up:
             logp, entropy = self._token_logprobs(batch, with_entropy=True)
             use_kl = args.use_kl_loss and batch.ref_logprobs is not None
-            loss, st = losses.policy_loss(logp, batch, clip_low=args.cliprange, loss_type="dapo", normalizer=normalizer,
-                                          kl_coef=self.kl_ctl.value if use_kl else 0.0, kl_estimator="k3",
-                                          entropy=entropy)
+            loss, st = losses.policy_loss(
+                logp, batch, loss=args.resolved_policy_loss(), params=args.policy_loss_params(),
+                loss_type=args.loss_agg_mode, normalizer=normalizer, max_completion_length=args.response_length,
+                kl_coef=self.kl_ctl.value if use_kl else 0.0, kl_estimator="k3",
+                kl_bias_correction=args.use_bias_correction_kl, entropy=entropy, entropy_coef=args.entropy_coef,
+                entropy_normalizer=normalizer, off_policy_threshold=args.off_policy_mask_threshold,
+                entropy_threshold=self._entropy_threshold(entropy, batch))
             parts.append((self.actor, loss))
             m["loss/policy_avg"].append(st["policy"].item())
             if use_kl:

@@ -37,10 +37,27 @@ class VLLMArguments:
     vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata=_help("token_truncate, token_mask, sequence_truncate or sequence_mask."))
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata=_help("Lower ratio bound."))
     vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata=_help("Upper ratio bound."))
+    vllm_importance_sampling_cap: float | None = field(default=None, metadata=_help(
+        "Deprecated alias (TRL) of vllm_importance_sampling_clip_max; overrides it when set."))
+    vllm_model_impl: str = field(default="vllm", metadata=_help("Colocate mode: vLLM's model_impl ('vllm' or 'transformers')."))
+    vllm_structured_outputs_regex: str | None = field(default=None, metadata=_help(
+        "Colocate mode: constrain completions to this regular expression (vLLM structured outputs)."))
+    vllm_group_port: int = field(default=51216, metadata=_help(
+        "TRL's NCCL weight-update port of a trl vllm-serve server; hf-verl serve takes weights over HTTP, so only "
+        "the default is accepted."))
 
     def _validate_vllm(self) -> None:
         if self.use_vllm and self.vllm_mode not in ("server", "colocate"):
             raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.vllm_mode!r}.")
+        if self.vllm_model_impl not in ("vllm", "transformers", "auto"):
+            raise ValueError(f"vllm_model_impl must be 'vllm', 'transformers' or 'auto', got {self.vllm_model_impl!r}.")
+        if self.vllm_group_port != 51216:
+            raise ValueError("vllm_group_port configures trl vllm-serve's NCCL weight group; hf_verl's server "
+                             "(hf-verl serve) receives weights over HTTP with a token, so there is no group port: "
+                             "remove vllm_group_port.")
+        if self.vllm_structured_outputs_regex is not None and not (self.use_vllm and self.vllm_mode == "colocate"):
+            raise ValueError("vllm_structured_outputs_regex needs use_vllm=True with vllm_mode='colocate' (the "
+                             "transformers engine and hf-verl serve have no constrained decoding).")
         from hf_verl.algorithms.importance import IS_MODES
 
         if self.vllm_importance_sampling_mode not in IS_MODES:

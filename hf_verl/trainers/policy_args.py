@@ -1,0 +1,91 @@
+"""`PolicyLossArguments`: the policy-objective fields GRPOConfig and PPOConfig share (TRL 1.16's names and
+defaults, plus verl's `policy_loss` names), validated once and turned into
+:class:`~hf_verl.algorithms.policy_losses.PolicyLossParams`.
+
+Which loss runs: TRL's `loss_type` (GRPO) picks a form and an aggregation (see
+:data:`~hf_verl.algorithms.policy_loss.TRL_LOSS_TYPES`); `policy_loss`, when set, picks the form by verl's
+name (``vanilla``, ``gspo``, ``cispo``, ``sapo``, ...) and keeps the aggregation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hf_verl.algorithms.policy_losses import (
+    IS_LEVELS,
+    PolicyLossParams,
+    resolve_policy_loss,
+)
+from hf_verl.pipeline.losses import loss_form, loss_params
+
+logger = logging.getLogger(__name__)
+
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def _help(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class PolicyLossArguments:
+    policy_loss: str | None = field(default=None, metadata=_help(
+        "Policy loss by verl's name (vanilla, gspo, cispo, sapo, vespo, geo_mean, clip_cov, kl_cov, gpg, dppo_tv, "
+        "dppo_kl, ...); None: the form TRL's loss_type implies. The aggregation stays loss_type's."))
+    importance_sampling_level: str = field(default="token", metadata=_help(
+        "'token': per-token ratios; 'sequence': one ratio per sequence, the exp of its mean log-ratio (GSPO)."))
+    delta: float | None = field(default=None, metadata=_help(
+        "Two-sided clipping: cap the ratio at delta (> 1 + epsilon_high) in the unclipped branch; None disables."))
+    sapo_temperature_neg: float = field(default=1.05, metadata=_help("SAPO gate temperature for negative advantages."))
+    sapo_temperature_pos: float = field(default=1.0, metadata=_help("SAPO gate temperature for positive advantages."))
+    vespo_k_pos: float = field(default=2.0, metadata=_help("VESPO gamma-weight power for advantages >= 0."))
+    vespo_lambda_pos: float = field(default=3.0, metadata=_help("VESPO gamma-weight rate for advantages >= 0."))
+    vespo_k_neg: float = field(default=3.0, metadata=_help("VESPO gamma-weight power for negative advantages."))
+    vespo_lambda_neg: float = field(default=2.0, metadata=_help("VESPO gamma-weight rate for negative advantages."))
+    off_policy_mask_threshold: float | None = field(default=None, metadata=_help(
+        "Drop negative-advantage sequences whose mean log-ratio sampling/current exceeds this (DeepSeek-V3.2 OPSM)."))
+    use_bias_correction_kl: bool = field(default=True, metadata=_help(
+        "Multiply the KL term by the importance ratio current/old (TRL's default)."))
+    top_entropy_quantile: float = field(default=1.0, metadata=_help(
+        "Train only on the tokens whose entropy is in this top fraction over every rank (1.0: all tokens)."))
+    entropy_coef: float = field(default=0.0, metadata=_help("Weight of the entropy bonus (token mean)."))
+    use_adaptive_entropy: bool = field(default=False, metadata=_help(
+        "Adapt entropy_coef once per optimizer step towards entropy_target (the bonus is on only while the "
+        "last step's entropy is <= entropy_target)."))
+    entropy_coef_min: float = field(default=0.0, metadata=_help("Lower bound of the adaptive entropy_coef."))
+    entropy_coef_max: float = field(default=1.0, metadata=_help("Upper bound of the adaptive entropy_coef."))
+    entropy_coef_delta: float = field(default=0.005, metadata=_help("Adaptive entropy_coef step per optimizer step."))
+    entropy_target: float = field(default=0.2, metadata=_help("Adaptive entropy target (nats per token)."))
+
+    def _validate_policy_loss(self) -> None:
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got "
+                             f"{self.importance_sampling_level!r}.")
+        if self.policy_loss is not None:
+            resolve_policy_loss(self.policy_loss)  # raises with the known names
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
+        if self.off_policy_mask_threshold is not None and not math.isfinite(self.off_policy_mask_threshold):
+            raise ValueError("off_policy_mask_threshold must be a finite number or None.")
+        if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
+            raise ValueError(f"entropy_coef_min ({self.entropy_coef_min}) must be <= entropy_coef_max "
+                             f"({self.entropy_coef_max}).")
+        if self.entropy_coef_delta < 0:
+            raise ValueError(f"entropy_coef_delta must be >= 0, got {self.entropy_coef_delta}.")
+        self.policy_loss_params().validate()
+        form = self.resolved_policy_loss()
+        if form == "vespo" and self.importance_sampling_level != "token":
+            logger.warning("VESPO weighs whole sequences itself: importance_sampling_level='token' is expected.")
+        if getattr(self, "loss_type", None) == "luspo" and self.importance_sampling_level != "sequence":
+            logger.warning("loss_type='luspo' is meant with importance_sampling_level='sequence'.")
+
+    def policy_loss_params(self) -> PolicyLossParams:
+        """The :class:`PolicyLossParams` of this configuration."""
+        return loss_params(self)
+
+    def resolved_policy_loss(self) -> str:
+        """The hf_verl name of the loss form: `policy_loss` (verl's names) when set, else `loss_type`'s form."""
+        return loss_form(self)
