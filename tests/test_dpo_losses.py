@@ -238,7 +238,8 @@ def test_other_argument_errors():
 # log-probs, with the reference log-probs passed as precomputed inputs.
 
 
-def _trl_loss(loss_types, loss_weights, per_token_logps, completion_mask, ref_chosen, ref_rejected, **cfg):
+def _trl_loss(loss_types, loss_weights, per_token_logps, completion_mask, ref_chosen, ref_rejected,
+              ld_alpha=None, log_sum_sq=None, **cfg):
     from trl.trainer.dpo_trainer import DPOTrainer
 
     n = per_token_logps.shape[0]
@@ -246,12 +247,13 @@ def _trl_loss(loss_types, loss_weights, per_token_logps, completion_mask, ref_ch
 
     def forward(**_kwargs):
         zeros = torch.zeros_like(per_token_logps)
-        return SimpleNamespace(log_probs=per_token_logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+        return SimpleNamespace(log_probs=per_token_logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(),
+                               log_sum_sq_probs=log_sum_sq)
 
     trainer = SimpleNamespace(
         model=model,
         accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x),
-        aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True, use_weighting=False,
+        aux_loss_enabled=False, ld_alpha=ld_alpha, precompute_ref_logps=True, use_weighting=log_sum_sq is not None,
         beta=cfg.get("beta", 0.1), label_smoothing=cfg.get("label_smoothing", 0.0),
         f_divergence_type=cfg.get("f_divergence_type", "reverse_kl"),
         f_alpha_divergence_coef=cfg.get("f_alpha_divergence_coef", 0.5),
@@ -331,3 +333,29 @@ def test_parity_with_trl_combined():
         types, weights, logps[:b], logps[b:], ref_chosen, ref_rejected, beta=0.2, chosen_nll=chosen_nll
     )
     torch.testing.assert_close(total, trl_loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("ld_alpha,wpo", [(0.5, False), (None, True), (0.3, True)])
+def test_ld_dpo_and_wpo_match_trl(ld_alpha, wpo):
+    """LD-DPO's length-desensitised log-probs and WPO's pair weights, against TRL's `_compute_loss`."""
+    pytest.importorskip("trl")
+    from hf_verl.algorithms.dpo_losses import ld_token_weights, wpo_weights
+
+    per_token, completion_mask, ref_chosen, ref_rejected = _random_batch(seed=11)
+    shift = completion_mask[:, 1:].bool()
+    log_sum_sq = (-torch.rand(per_token.shape, generator=torch.Generator().manual_seed(5)) * 3) if wpo else None
+    # TRL's WPO multiplies the sft term's expanded loss in place, which fails; LD-DPO is tested with it
+    types = ["sigmoid", "hinge"] if wpo else ["sigmoid", "sft"]
+    trl_loss, _ = _trl_loss(types, None, per_token, completion_mask, ref_chosen, ref_rejected,
+                            ld_alpha=ld_alpha, log_sum_sq=log_sum_sq, beta=0.2)
+    n, b = per_token.shape[0], ref_chosen.shape[0]
+    owner = torch.arange(n).unsqueeze(1).expand_as(shift)[shift]
+    tokens = per_token[shift]
+    weighted = tokens * ld_token_weights(owner, n, ld_alpha) if ld_alpha is not None else tokens
+    logps = torch.zeros(n).index_add(0, owner, weighted)
+    weights = wpo_weights(tokens, log_sum_sq[shift], owner, n) if wpo else None
+    chosen_nll = -per_token[:b][shift[:b]].mean()
+    total, _ = combined_dpo_loss(types, None, logps[:b], logps[b:], ref_chosen, ref_rejected,
+                                 pair_weights=weights, beta=0.2, chosen_nll=chosen_nll)
+    torch.testing.assert_close(total, trl_loss, rtol=1e-5, atol=1e-6)
+    assert ld_token_weights(torch.tensor([0, 0, 0, 1]), 2, 0.5).tolist() == [1.0, 0.5, 0.5, 1.0]

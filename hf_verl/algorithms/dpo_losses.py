@@ -274,6 +274,7 @@ def combined_dpo_loss(
     rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
+    pair_weights: torch.Tensor | None = None,
     **loss_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """
@@ -287,6 +288,8 @@ def combined_dpo_loss(
             One weight per loss type; `None` weighs each by 1.
         chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps (`torch.Tensor`):
             As in [`dpo_loss`].
+        pair_weights (`torch.Tensor` `(B,)`, *optional*):
+            Per-pair weights multiplying every loss type's per-pair loss before the mean (WPO, `wpo_weights`).
         **loss_kwargs:
             The keyword arguments of [`dpo_loss`] (`beta`, `label_smoothing`, ...), shared by all loss types.
 
@@ -312,9 +315,39 @@ def combined_dpo_loss(
     total = chosen_logps.new_zeros(())
     means = {}
     for loss_type, weight in zip(loss_types, loss_weights):
-        mean = dpo_loss(
-            loss_type, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, **loss_kwargs
-        ).mean()
+        per_pair = dpo_loss(loss_type, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, **loss_kwargs)
+        mean = (per_pair * pair_weights).mean() if pair_weights is not None else per_pair.mean()
         total = total + weight * mean
         means[loss_type] = mean.detach()
     return total, means
+
+
+def ld_token_weights(owner: torch.Tensor, num_sequences: int, ld_alpha: float) -> torch.Tensor:
+    """LD-DPO's per-token weights (Liu et al., 2024, arXiv 2409.06411): a completion token counts fully up to
+    the length of the shorter answer of its pair and `ld_alpha` beyond it.
+
+    Args:
+        owner (`torch.Tensor` `(N,)`): the sequence of each scored completion token, tokens of one sequence
+            contiguous and in order; sequences `0..B-1` are the chosen answers, `B..2B-1` the rejected ones.
+        num_sequences (`int`): `2B`. ld_alpha (`float`): the weight of the tokens past the shared length.
+    """
+    counts = torch.bincount(owner, minlength=num_sequences)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(owner.numel(), device=owner.device) - starts[owner] + 1  # 1-based within its answer
+    chosen, rejected = counts.chunk(2)
+    shared = torch.minimum(chosen, rejected).repeat(2)
+    inside = position <= shared[owner]
+    return torch.where(inside, 1.0, float(ld_alpha))
+
+
+def wpo_weights(token_logps: torch.Tensor, token_log_sum_sq: torch.Tensor, owner: torch.Tensor,
+                num_sequences: int) -> torch.Tensor:
+    """WPO's per-pair weights (Zhou et al., 2024, arXiv 2406.11827, eq. 2): each answer's
+    `exp(mean_t(logp_t - log sum_v p_v^2))` (the probability of the answer under the policy, aligned by the
+    expected probability of a sampled token), chosen times rejected, without gradient; `(B,)`."""
+    aligned = (token_logps - token_log_sum_sq).detach()
+    sums = torch.zeros(num_sequences, dtype=aligned.dtype, device=aligned.device).index_add(0, owner, aligned)
+    counts = torch.bincount(owner, minlength=num_sequences).clamp(min=1).to(aligned.dtype)
+    weights = torch.exp(sums / counts)
+    chosen, rejected = weights.chunk(2)
+    return chosen * rejected

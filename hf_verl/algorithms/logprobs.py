@@ -23,7 +23,8 @@ def _chunk_stats(
     temperature: float,
     with_entropy: bool,
     with_mean_logit: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with_log_sum_sq: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     logits = head(hidden).float()
     mean_logit = logits.mean(-1) if with_mean_logit else logits.new_zeros(())
     if temperature != 1.0:
@@ -35,7 +36,10 @@ def _chunk_stats(
         entropy = logz - (probs * logits).sum(-1)
     else:
         entropy = logp.new_zeros(())
-    return logp, entropy, mean_logit
+    # log sum_v p_v^2 = logsumexp(2 log p), detached (WPO's alignment term)
+    log_sum_sq = torch.logsumexp(2 * (logits.detach() - logz.detach().unsqueeze(-1)), dim=-1) if with_log_sum_sq \
+        else logp.new_zeros(())
+    return logp, entropy, mean_logit, log_sum_sq
 
 
 def logprobs_from_head(
@@ -48,7 +52,8 @@ def logprobs_from_head(
     with_entropy: bool = False,
     with_mean_logit: bool = False,
     head_requires_grad: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    with_log_sum_sq: bool = False,
+):
     """Log-probs of `targets` under ``softmax(head(hidden) / T)``, computed `chunk_size` positions at a time.
 
     `head` is called on each chunk, so it may be the model's output-embedding *module*: under
@@ -66,10 +71,11 @@ def logprobs_from_head(
             (before the temperature; a DPO metric), without gradient.
         head_requires_grad (`bool`, *optional*): whether the head has trainable weights (chunks are
             then recomputed in backward); default: read from `head` when it is an `nn.Module`.
+        with_log_sum_sq (`bool`): also return `log sum_v p_v^2` per position, without gradient (WPO).
 
     Returns:
         `(logp, entropy, mean_logit)` shaped like `targets`, fp32; the last two are `None` unless
-        requested.
+        requested. With `with_log_sum_sq`, a fourth tensor `log_sum_sq`.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
@@ -81,23 +87,26 @@ def logprobs_from_head(
     if head_requires_grad is None:
         head_requires_grad = isinstance(head, torch.nn.Module) and any(p.requires_grad for p in head.parameters())
     use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or head_requires_grad)
-    logps, ents, means = [], [], []
+    logps, ents, means, sqs = [], [], [], []
     for start in range(0, flat_t.numel(), chunk_size):
         h, t = flat_h[start : start + chunk_size], flat_t[start : start + chunk_size]
         if use_ckpt:
-            lp, ent, mean = checkpoint(_chunk_stats, h, head, t, temperature, with_entropy, with_mean_logit,
-                                       use_reentrant=False)
+            lp, ent, mean, sq = checkpoint(_chunk_stats, h, head, t, temperature, with_entropy, with_mean_logit,
+                                           with_log_sum_sq, use_reentrant=False)
         else:
-            lp, ent, mean = _chunk_stats(h, head, t, temperature, with_entropy, with_mean_logit)
+            lp, ent, mean, sq = _chunk_stats(h, head, t, temperature, with_entropy, with_mean_logit, with_log_sum_sq)
         logps.append(lp)
         ents.append(ent)
         means.append(mean.detach())
+        sqs.append(sq.detach())
     # no position to score (every completion of a micro-batch masked out): zeros that still hang off the
     # graph, so that a loss built on them backpropagates (zero gradients) instead of failing
     empty = flat_h[:0, 0].float().view(shape) * 0 if not logps else None
     logp = torch.cat(logps).view(shape) if logps else empty
     entropy = (torch.cat(ents).view(shape) if ents else empty) if with_entropy else None
     mean_logit = (torch.cat(means).view(shape) if means else empty) if with_mean_logit else None
+    if with_log_sum_sq:
+        return logp, entropy, mean_logit, (torch.cat(sqs).view(shape) if sqs else empty.detach())
     return logp, entropy, mean_logit
 
 

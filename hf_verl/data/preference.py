@@ -123,12 +123,14 @@ def _truncate(pair: TokenizedPair, max_length: int, mode: str) -> bool:
     return True
 
 
-def collate_pairs(pairs: Sequence[TokenizedPair], pad_token_id: int, padding_free: bool = False) -> dict:
+def collate_pairs(pairs: Sequence[TokenizedPair], pad_token_id: int, padding_free: bool = False,
+                  pad_to_multiple_of: int | None = None) -> dict:
     """One batch of `2B` sequences (chosen rows first).
 
     Padded: `input_ids`, `attention_mask`, `completion_mask` of shape `(2B, L)`, right-padded.
     Padding-free: `input_ids`, `position_ids`, `completion_mask`, `seq_index` of shape `(1, T)`
-    with the sequences packed back to back (`seq_index` says which sequence a token belongs to).
+    with the sequences packed back to back (`seq_index` says which sequence a token belongs to; -1 on
+    padding). `pad_to_multiple_of` rounds `L` / `T` up (masks 0 on the added positions).
     """
     seqs, comp = [], []
     for side in ("chosen_ids", "rejected_ids"):
@@ -136,14 +138,18 @@ def collate_pairs(pairs: Sequence[TokenizedPair], pad_token_id: int, padding_fre
             c = getattr(p, side)
             seqs.append(p.prompt_ids + c)
             comp.append([0] * len(p.prompt_ids) + [1] * len(c))
+    multiple = pad_to_multiple_of or 1
     if padding_free:
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long).unsqueeze(0)
-        pos = torch.tensor([i for s in seqs for i in range(len(s))], dtype=torch.long).unsqueeze(0)
-        mask = torch.tensor([m for c in comp for m in c], dtype=torch.long).unsqueeze(0)
-        index = torch.tensor([k for k, s in enumerate(seqs) for _ in s], dtype=torch.long).unsqueeze(0)
+        total = sum(len(s) for s in seqs)
+        extra = -total % multiple
+        ids = torch.tensor([t for s in seqs for t in s] + [pad_token_id] * extra, dtype=torch.long).unsqueeze(0)
+        pos = torch.tensor([i for s in seqs for i in range(len(s))] + list(range(extra)), dtype=torch.long).unsqueeze(0)
+        mask = torch.tensor([m for c in comp for m in c] + [0] * extra, dtype=torch.long).unsqueeze(0)
+        index = torch.tensor([k for k, s in enumerate(seqs) for _ in s] + [-1] * extra, dtype=torch.long).unsqueeze(0)
         return {"input_ids": ids, "position_ids": pos, "completion_mask": mask, "seq_index": index,
                 "num_sequences": len(seqs)}
     width = max(len(s) for s in seqs)
+    width += -width % multiple
     ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
     attn = torch.zeros((len(seqs), width), dtype=torch.long)
     cmask = torch.zeros((len(seqs), width), dtype=torch.long)

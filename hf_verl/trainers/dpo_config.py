@@ -11,16 +11,19 @@ departure as in GRPOConfig: `bf16=None` turns on only on bf16-capable CUDA. Addi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import TrainingArguments
 
+from hf_verl.algorithms.dpo_losses import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
+from hf_verl.data.batch import resolve_pad_to_multiple_of
+from hf_verl.data.preference import TRUNCATION_MODES
 from hf_verl.trainers.parallel_args import ParallelArguments
 
-from hf_verl.algorithms.dpo_losses import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
-from hf_verl.data.preference import TRUNCATION_MODES
+logger = logging.getLogger(__name__)
 
 
 def _help(text: str) -> Any:
@@ -44,17 +47,26 @@ class DPOConfig(TrainingArguments, ParallelArguments):
     max_length: int | None = field(default=1024, metadata=_help("Maximum prompt+completion tokens; None: no limit."))
     truncation_mode: str = field(default="keep_start", metadata=_help("keep_start: cut completion ends; keep_end: cut the prompt start."))
     padding_free: bool = field(default=False, metadata=_help("Pack sequences without padding (position ids reset)."))
-    pad_to_multiple_of: int | None = field(default=None, metadata=_help("Accepted for TRL scripts (padding is exact here)."))
+    pad_to_multiple_of: int | str | None = field(default="auto", metadata=_help(
+        "Pad each batch's length to a multiple of this ('auto': None off Neuron devices, as in TRL)."))
+    pad_token: str | None = field(default=None, metadata=_help(
+        "Deprecated in TRL: the padding token (default: the tokenizer's pad, else its EOS)."))
+    router_aux_loss_coef: float | None = field(default=None, metadata=_help(
+        "Weight of a Mixture-of-Experts router load-balancing loss; None: the model config's own coefficient."))
+    activation_offloading: bool = field(default=False, metadata=_help(
+        "Keep saved activations in pinned host memory until the backward (CUDA only)."))
     precompute_ref_log_probs: bool = field(default=False, metadata=_help("Score the reference once over the dataset, cached."))
     precompute_ref_batch_size: int | None = field(default=None, metadata=_help("Batch size of that pass; default per_device_eval_batch_size."))
     loss_type: list[str] = field(default_factory=lambda: ["sigmoid"], metadata=_help(f"Any of {DPO_LOSS_TYPES}, combined."))
     loss_weights: list[float] | None = field(default=None, metadata=_help("One weight per loss_type; default all 1."))
-    ld_alpha: float | None = field(default=None, metadata=_help("LD-DPO length weighting (not supported yet: must be None)."))
+    ld_alpha: float | None = field(default=None, metadata=_help(
+        "LD-DPO: completion tokens past the shorter answer's length weigh ld_alpha in the log-probs (None: off)."))
     f_divergence_type: str = field(default="reverse_kl", metadata=_help(f"One of {F_DIVERGENCE_TYPES}."))
     f_alpha_divergence_coef: float = field(default=0.5, metadata=_help("alpha of the alpha-divergence."))
     label_smoothing: float = field(default=0.0, metadata=_help("robust / exo_pair / aot label smoothing."))
     beta: float = field(default=0.1, metadata=_help("Inverse temperature of the implicit reward."))
-    use_weighting: bool = field(default=False, metadata=_help("WPO weighting (not supported yet: must be False)."))
+    use_weighting: bool = field(default=False, metadata=_help(
+        "WPO: weigh each pair's loss by the policy's aligned probability of both answers."))
     discopop_tau: float = field(default=0.05, metadata=_help("DiscoPOP temperature."))
     sync_ref_model: bool = field(default=False, metadata=_help("Mix the policy into the reference every ref_model_sync_steps (TR-DPO)."))
     ref_model_mixup_alpha: float = field(default=0.6, metadata=_help("ref <- alpha * policy + (1 - alpha) * ref."))
@@ -66,6 +78,9 @@ class DPOConfig(TrainingArguments, ParallelArguments):
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
+        self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
+        if self.pad_token is not None:
+            logger.warning("pad_token is deprecated (TRL); set tokenizer.pad_token instead.")
         super().__post_init__()
         self._take_over_deepspeed()
         self._validate()
@@ -88,10 +103,14 @@ class DPOConfig(TrainingArguments, ParallelArguments):
             raise ValueError(f"beta must be > 0, got {self.beta}.")
         if not 0 < self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
             raise ValueError("ref_model_mixup_alpha must be in (0, 1] and ref_model_sync_steps >= 1.")
-        if self.use_weighting:
-            raise ValueError("use_weighting (WPO) is not supported by hf_verl's DPOTrainer yet; set it to False.")
-        if self.ld_alpha is not None:
-            raise ValueError("ld_alpha (LD-DPO) is not supported by hf_verl's DPOTrainer yet; set it to None.")
+        if self.use_weighting and any(t in ("aot", "aot_unpaired") for t in self.loss_type):
+            raise ValueError("use_weighting (WPO) cannot combine with 'aot' / 'aot_unpaired' losses, which sort the "
+                             "batch and would misalign the per-pair weights.")
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ValueError(f"ld_alpha must be in [0, 1], got {self.ld_alpha}.")
+        if self.activation_offloading and not torch.cuda.is_available():
+            raise ValueError("activation_offloading moves saved activations from the GPU to host memory; without a "
+                             "CUDA device they are already there: remove activation_offloading.")
         if self.sync_ref_model and self.precompute_ref_log_probs:
             raise ValueError("sync_ref_model changes the reference during training, so its log-probs cannot be "
                              "precomputed: set precompute_ref_log_probs=False or sync_ref_model=False.")

@@ -11,6 +11,7 @@ fingerprint and reference weights, after which no reference forward runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -18,16 +19,29 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
 
-from hf_verl.algorithms.dpo_losses import combined_dpo_loss, implicit_rewards, reward_metrics
-from hf_verl.data.preference import TokenizedPair, check_preference_columns, collate_pairs, tokenize_pair
+from hf_verl.algorithms.dpo_losses import (
+    combined_dpo_loss,
+    implicit_rewards,
+    ld_token_weights,
+    reward_metrics,
+    wpo_weights,
+)
+from hf_verl.data.preference import (
+    TokenizedPair,
+    check_preference_columns,
+    collate_pairs,
+    tokenize_pair,
+)
 from hf_verl.data.prompts import ensure_pad_token
 from hf_verl.engine.base import TrainingEngine
+from hf_verl.engine.model_options import router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline.prefetch import frozen_copy
 from hf_verl.trainers.dpo_config import DPOConfig
 from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
+from hf_verl.trainers.policy_control import ReferenceMixCallback
 
 logger = logging.getLogger(__name__)
 
@@ -63,22 +77,6 @@ def _weights_digest(model) -> str:
         h.update(str(tuple(p.shape)).encode())
         h.update(f"{p.detach().double().sum().item():.10e}".encode())
     return h.hexdigest()[:16]
-
-
-class SyncRefModelCallback(TrainerCallback):
-    """TR-DPO: every `ref_model_sync_steps`, `ref <- alpha * policy + (1 - alpha) * ref`."""
-
-    def __init__(self, trainer: DPOTrainer) -> None:
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.ref_model_sync_steps == 0:
-            policy = self.trainer.actor.model
-            with torch.no_grad():  # same layout on both (replicas, or FSDP2 shards of one mesh): mix locally
-                for p_ref, p in zip(self.trainer.reference.model.parameters(), policy.parameters()):
-                    p_ref.mul_(1 - args.ref_model_mixup_alpha).add_(p.detach().to(p_ref.dtype),
-                                                                    alpha=args.ref_model_mixup_alpha)
-        return control
 
 
 class DPOTrainer(EngineTrainerMixin, Trainer):
@@ -117,6 +115,12 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
                                                              trust_remote_code=args.trust_remote_code)
+        if args.pad_token is not None:
+            if args.pad_token not in processing_class.get_vocab():
+                raise ValueError(f"pad_token {args.pad_token!r} is not in the tokenizer's vocabulary; pick a token it "
+                                 "has (e.g. its eos_token) or leave pad_token unset.")
+            processing_class.pad_token = args.pad_token
+            model.config.pad_token_id = processing_class.pad_token_id
         ensure_pad_token(processing_class)
         if peft_config is not None:
             from peft import get_peft_model
@@ -140,6 +144,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
                              "partitioned in separate engines: use ZeRO-1/2, DDP or FSDP2, or sync_ref_model=False.")
         self._ref_digest = _weights_digest(ref_model if ref_model is not None else model)
         self.tokenizer_ = processing_class
+        self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss(model, args.router_aux_loss_coef)
         self._data_stats: dict[str, float] = {}
         train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
         if eval_dataset is not None:
@@ -164,7 +169,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a reference model object; it cannot mix into disabled adapters.")
-            self.add_callback(SyncRefModelCallback(self))
+            self.add_callback(ReferenceMixCallback(self))
 
     # ------------------------------------------------------------------ data
     def _prepare_dataset(self, dataset, tokenizer, args: DPOConfig, name: str):
@@ -217,15 +222,19 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
 
     def _collate(self, rows: list[dict]) -> dict:
         pairs = [TokenizedPair(list(r["prompt_ids"]), list(r["chosen_ids"]), list(r["rejected_ids"])) for r in rows]
-        batch = collate_pairs(pairs, self.tokenizer_.pad_token_id, self.args.padding_free)
+        batch = collate_pairs(pairs, self.tokenizer_.pad_token_id, self.args.padding_free,
+                              self.args.pad_to_multiple_of)
         if REF_COLUMNS[0] in rows[0]:
             for col in REF_COLUMNS:
                 batch[col] = torch.tensor([float(r[col]) for r in rows])
         return batch
 
     # ------------------------------------------------------------------ log-probs
-    def _sequence_logps(self, engine: TrainingEngine, batch: dict):
-        """Summed completion log-probs, mean completion logits and token counts per sequence `(2B,)`."""
+    def _sequence_logps(self, engine: TrainingEngine, batch: dict, with_aux_loss: bool = False,
+                        with_wpo: bool = False):
+        """Summed completion log-probs (LD-DPO-weighted with `ld_alpha`), mean completion logits and token counts
+        per sequence `(2B,)`; with `with_aux_loss` also the router load-balancing loss of the forward, with
+        `with_wpo` also the WPO pair weights `(B,)` (appended in that order)."""
         ids = batch["input_ids"]
         select = torch.zeros_like(ids, dtype=torch.bool)
         select[:, :-1] = batch["completion_mask"][:, 1:].bool()
@@ -243,16 +252,25 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         stats = engine.token_logprobs(
             ids, targets, select, attention_mask=None if packed else batch["attention_mask"],
             position_ids=batch["position_ids"] if packed else None, temperature=1.0,
-            chunk_size=self.args.logprob_chunk_size, with_mean_logit=True)
+            chunk_size=self.args.logprob_chunk_size, with_mean_logit=True, with_aux_loss=with_aux_loss,
+            with_log_sum_sq=with_wpo)
         owner = seq_of[select]
 
         def segsum(x):
             return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, owner, x)
 
-        logps = segsum(stats.logp)
+        token_logps = stats.logp
+        if self.args.ld_alpha is not None:
+            token_logps = token_logps * ld_token_weights(owner, n, self.args.ld_alpha).to(token_logps.dtype)
+        logps = segsum(token_logps)
         counts = segsum(torch.ones_like(stats.logp))
         logits = segsum(stats.mean_logit.float()) / counts.float().clamp(min=1)
-        return logps, logits, counts
+        out = [logps, logits, counts]
+        if with_aux_loss:
+            out.append(stats.aux_loss)
+        if with_wpo:
+            out.append(wpo_weights(stats.logp, stats.log_sum_sq, owner, n))
+        return tuple(out)
 
     @torch.no_grad()
     def _reference_logps(self, batch: dict) -> torch.Tensor:
@@ -268,7 +286,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
 
         key = hashlib.sha256("|".join(map(str, [
             getattr(dataset, "_fingerprint", None), self._ref_digest, self.ref_model is None,
-            self.args.max_length, self.args.truncation_mode])).encode()).hexdigest()[:24]
+            self.args.max_length, self.args.truncation_mode, self.args.ld_alpha])).encode()).hexdigest()[:24]
         cache_dir = os.path.join(os.environ.get("HF_VERL_CACHE", os.path.expanduser("~/.cache/hf_verl")), "ref_logps")
         path = os.path.join(cache_dir, f"{key}.safetensors")
         if os.path.exists(path):
@@ -283,7 +301,8 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
                 rows = dataset.select(range(start, min(start + size, len(dataset))))
                 batch = collate_pairs([TokenizedPair(list(r["prompt_ids"]), list(r["chosen_ids"]),
                                                      list(r["rejected_ids"])) for r in rows],
-                                      self.tokenizer_.pad_token_id, self.args.padding_free)
+                                      self.tokenizer_.pad_token_id, self.args.padding_free,
+                                      self.args.pad_to_multiple_of)
                 batch = {k: v.to(self.accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 logps = self._reference_logps(batch).float().cpu()
                 c, r = logps.chunk(2)
@@ -301,7 +320,10 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
     def compute_loss(self, model, inputs: dict, return_outputs=False, num_items_in_batch=None):
         args = self.args
         mode = "train" if self.actor.module.training else "eval"
-        logps, logits, counts = self._sequence_logps(self.actor, inputs)
+        logps, logits, counts, *extra = self._sequence_logps(self.actor, inputs, with_aux_loss=self.aux_loss_enabled,
+                                                             with_wpo=args.use_weighting)
+        aux = extra[:1] if self.aux_loss_enabled else []
+        pair_weights = extra[-1] if args.use_weighting else None
         if REF_COLUMNS[0] in inputs:
             ref_c, ref_r = inputs[REF_COLUMNS[0]].to(logps.dtype), inputs[REF_COLUMNS[1]].to(logps.dtype)
         else:
@@ -313,10 +335,13 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
             args.loss_type, args.loss_weights, c, r, ref_c, ref_r, beta=args.beta,
             label_smoothing=args.label_smoothing, f_divergence_type=args.f_divergence_type,
             f_alpha_divergence_coef=args.f_alpha_divergence_coef, discopop_tau=args.discopop_tau,
-            chosen_nll=chosen_nll, chosen_lengths=n_c, rejected_lengths=n_r,
+            chosen_nll=chosen_nll, chosen_lengths=n_c, rejected_lengths=n_r, pair_weights=pair_weights,
         )
         rc, rr = implicit_rewards(c, r, ref_c, ref_r, beta=args.beta)
         m = self._metrics[mode]
+        if aux:  # a Mixture of Experts: TRL adds the weighted router loss to the preference loss
+            loss = loss + self.router_aux_loss_coef * aux[0]
+            m["aux_loss"].append(aux[0].item())
         for k, v in reward_metrics(rc, rr).items():
             m[k].append(v)
         lc, lr = logits.chunk(2)
@@ -335,7 +360,9 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         """One micro-batch: the DPO loss, backward through the actor's engine (DDP, FSDP2 or ZeRO)."""
         self.actor.train()
         inputs = self._prepare_inputs(inputs)
-        with self.compute_loss_context_manager():
+        offload = torch.autograd.graph.save_on_cpu(pin_memory=True) if self.args.activation_offloading else \
+            contextlib.nullcontext()
+        with self.compute_loss_context_manager(), offload:
             loss = self.compute_loss(self._engine_module, inputs)
         loss = loss / self.current_gradient_accumulation_steps
         self.actor.backward(loss)
