@@ -189,7 +189,8 @@ def test_compute_advantages_dispatch():
     adv, ret = compute_advantages("reinforce_plus_plus", token_rewards=tok, mask=mask)
     assert ret is None and adv[1, 2].item() == 0.0
     assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                         "remax", "dr_grpo", "gpg", "grpo_passk", "opo", "gdpo"}
+                                         "remax", "dr_grpo", "gpg", "grpo_passk", "opo", "gdpo",
+                                         "optimal_token_baseline", "tir_optimal_token_baseline"}
 
 
 @pytest.mark.parametrize(
@@ -229,3 +230,51 @@ def test_kl_controllers_by_hand():
     assert ctl.value == pytest.approx(expected)
     with pytest.raises(ValueError, match="target and horizon"):
         AdaptiveKLController(0.1, target=0.0, horizon=1)
+
+
+# ------------------------------------------------------------------------ multi-turn masks (verl parity)
+# Response masks with holes: 0 on tool observations between the model's turns, then right padding.
+HOLEY_MASK = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 0, 0, 0],
+                           [1, 0, 0, 1, 0, 0, 1, 1, 1, 1],
+                           [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]])
+
+
+def test_token_level_rewards_score_on_the_last_valid_token_of_a_holey_mask():
+    rewards, _ = token_level_rewards(torch.tensor([1.0, 2.0, 3.0]), HOLEY_MASK)
+    expected = torch.zeros(3, 10)
+    expected[0, 6], expected[1, 9], expected[2, 3] = 1.0, 2.0, 3.0
+    torch.testing.assert_close(rewards, expected)
+
+
+def test_multi_turn_masks_match_verl():
+    from types import SimpleNamespace
+
+    core = pytest.importorskip("verl.trainer.ppo.core_algos")
+    g = torch.Generator().manual_seed(0)
+    mask = HOLEY_MASK
+    values = torch.randn(mask.shape, generator=g)
+    token_rewards = torch.randn(mask.shape, generator=g)  # nonzero on masked positions too: they must not count
+    on = mask.bool()
+
+    expected_adv, expected_ret = core.compute_gae_advantage_return(token_rewards, values, mask.float(), 0.9, 0.8)
+    adv, ret = gae_advantages(token_rewards, values, mask, gamma=0.9, lam=0.8)
+    # verl whitens its GAE advantages inside; ours are whitened by the caller
+    torch.testing.assert_close(masked_whiten(adv, mask)[on], expected_adv[on], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret[on], expected_ret[on], atol=1e-6, rtol=1e-6)
+    assert (adv[~on] == 0).all() and (ret[~on] == 0).all()
+
+    expected_pp, _ = core.compute_reinforce_plus_plus_outcome_advantage(token_rewards, mask.float(),
+                                                                        config=SimpleNamespace(gamma=0.9))
+    torch.testing.assert_close(reinforce_pp_advantages(token_rewards, mask, gamma=0.9), expected_pp, atol=1e-5,
+                               rtol=1e-5)
+
+    # outcome rewards on the last valid token, as both place them
+    scores = torch.tensor([1.0, -0.5, 2.0])
+    outcome, _ = token_level_rewards(scores, mask)
+    expected_adv, _ = core.compute_gae_advantage_return(outcome, values, mask.float(), 1.0, 0.95)
+    adv, _ = gae_advantages(outcome, values, mask, gamma=1.0, lam=0.95)
+    torch.testing.assert_close(masked_whiten(adv, mask)[on], expected_adv[on], atol=1e-5, rtol=1e-5)
+    # with gamma = lam = 1 the advantage of every model token is the score minus its value: the observation span
+    # neither discounts nor adds anything
+    adv, _ = gae_advantages(outcome, values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv[on], (scores[:, None] - values)[on], atol=1e-6, rtol=1e-6)

@@ -260,3 +260,28 @@ def test_estimators_match_verl(name):
     ours = {"gpg": lambda: gpg_advantages(scores, G, mask), "grpo_passk": lambda: grpo_passk_advantages(scores, G, mask),
             "opo": lambda: opo_advantages(scores, G, mask), "gdpo": lambda: gdpo_token_advantages(scores, G, mask)}[name]()
     torch.testing.assert_close(ours, expected.to(ours.dtype), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,gap", [("optimal_token_baseline", False), ("tir_optimal_token_baseline", True)])
+def test_optimal_token_baseline_matches_verl(name, gap):
+    import numpy as np
+
+    from hf_verl.algorithms.estimators import optimal_token_baseline_advantages
+
+    core = _verl()
+    g = torch.Generator().manual_seed(9)
+    mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).long()
+    if gap:  # tool observations: trained tokens with a hole in the middle
+        mask[0, 2:4] = 0
+        mask[5, 1] = 0
+    rewards = torch.zeros(B, T)
+    last = T - 1 - mask.flip(-1).argmax(-1)
+    rewards[torch.arange(B), last] = torch.randint(0, 2, (B,), generator=g).float()
+    old = -torch.rand(B, T, generator=g) * 2
+    sum_sq = torch.rand(B, T, generator=g) * 0.5
+    index = np.array([i // G for i in range(B)], dtype=object)
+    expected, ret = core.get_adv_estimator_fn(name)(token_level_rewards=rewards, response_mask=mask.float(), index=index,
+                                                    old_log_probs=old, sum_pi_squared=sum_sq)
+    ours, returns = optimal_token_baseline_advantages(rewards, mask, old, sum_sq, G, multi_turn=gap)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(returns, ret, atol=1e-6, rtol=1e-6)

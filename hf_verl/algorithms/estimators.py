@@ -4,7 +4,10 @@ All tensor functions are pure and take detached inputs. Completions are right-pa
 tensors are `(B, T)` with a 0/1 response `mask` that is 1 on the real completion tokens,
 contiguous from position 0. Outcome estimators take one score per completion, `(B,)`, and return
 token-level advantages `(B, T)` broadcast over the mask (0 on padding). Groups are contiguous:
-completions `g*G .. g*G+G-1` answer the same prompt.
+completions `g*G .. g*G+G-1` answer the same prompt. A multi-turn rollout's mask has holes (0 on
+its tool observations, between the model's turns): the recursions of `gae_advantages` and
+`reinforce_pp_advantages` step over them, carrying the next value, advantage and return across
+(verl's multi-turn handling), and `token_level_rewards` puts the score on the last valid token.
 
 Semantics follow verl's `core_algos.py` and TRL's PPO trainer. Departures:
 
@@ -34,6 +37,8 @@ ADVANTAGE_ESTIMATORS = (
     "grpo_passk",
     "opo",
     "gdpo",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
 )
 
 
@@ -86,7 +91,9 @@ def gae_advantages(
     """Generalised advantage estimation (Schulman et al., 2016, arXiv 1506.02438) over the mask.
 
     `delta_t = r_t + gamma * V_{t+1} - V_t` with `V` beyond the last valid token equal to 0, and
-    `A_t = delta_t + gamma * lam * A_{t+1}`, computed in reverse time. `returns = A + V`.
+    `A_t = delta_t + gamma * lam * A_{t+1}`, computed in reverse time. `returns = A + V`. Positions
+    where `mask` is 0 (padding, or tool observations inside a multi-turn completion) are skipped:
+    `t + 1` is the next valid token, whose value and advantage are carried across the gap (verl).
 
     Args:
         token_rewards, values, mask (`torch.Tensor` `(B, T)`): per-token rewards, critic values
@@ -101,11 +108,13 @@ def gae_advantages(
     next_adv = values.new_zeros(values.shape[0])
     advantages = torch.zeros_like(values)
     for t in reversed(range(values.shape[1])):
+        m = maskf[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        adv = (delta + gamma * lam * next_adv) * maskf[:, t]
-        advantages[:, t] = adv
-        next_value = values[:, t] * maskf[:, t]
-        next_adv = adv
+        adv = delta + gamma * lam * next_adv
+        advantages[:, t] = adv * m
+        # a masked position (padding, a tool observation) leaves the next value and advantage as they are
+        next_value = values[:, t] * m + next_value * (1 - m)
+        next_adv = adv * m + next_adv * (1 - m)
     returns = (advantages + values) * maskf
     return advantages, returns
 
@@ -135,7 +144,9 @@ def token_level_rewards(
     else:
         non_score = -kl_coef * kl.to(scores.dtype) * maskf
     lengths = mask.long().sum(-1)
-    last = (lengths - 1).clamp(min=0).unsqueeze(-1)
+    # the last valid position (the last token when the mask is contiguous from 0; a multi-turn mask has holes)
+    positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    last = ((mask.long() != 0).long() * positions).amax(-1, keepdim=True).sub(1).clamp(min=0)
     placed = torch.zeros_like(maskf).scatter(-1, last, (scores * (lengths > 0)).unsqueeze(-1))
     return non_score + placed, non_score
 
@@ -164,14 +175,17 @@ def reinforce_pp_advantages(
     """REINFORCE++ (Hu, 2025, arXiv 2501.03262).
 
     `G_t = sum_{s >= t} gamma^(s-t) r_s` over each row's valid tokens (the token rewards include
-    the KL penalty), then `A = masked_whiten(G, mask)` over the whole batch; 0 on padding.
+    the KL penalty), then `A = masked_whiten(G, mask)` over the whole batch; 0 on padding. Masked
+    positions inside a completion (tool observations) carry the return across unchanged (verl).
     """
     maskf = mask.to(token_rewards.dtype)
     returns = torch.zeros_like(token_rewards)
     running = token_rewards.new_zeros(token_rewards.shape[0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = (token_rewards[:, t] + gamma * running) * maskf[:, t]
-        returns[:, t] = running
+        m = maskf[:, t]
+        step = token_rewards[:, t] + gamma * running
+        returns[:, t] = step * m
+        running = step * m + running * (1 - m)
     return masked_whiten(returns, mask) * maskf
 
 
@@ -280,6 +294,61 @@ def gdpo_token_advantages(scores_per_func: torch.Tensor, num_generations: int, m
     return masked_whiten(_broadcast(total, mask), mask) * mask.to(total.dtype)
 
 
+def optimal_token_baseline_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor, sum_pi_squared: torch.Tensor,
+    num_generations: int, *, is_weights: torch.Tensor | None = None, handle_zero_tail: bool = True,
+    eps: float = 1e-8, multi_turn: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline (verl's `optimal_token_baseline`; `multi_turn=True`: `tir_optimal_token_baseline`).
+
+    With `G_t` the reward-to-go and `W_t = sum_{s <= t} (1 - 2 pi_s + sum_v pi_v^2) [x rho_s^2]` (a cumulative
+    path-variance proxy from the sampling policy's token probability `pi = exp(old_logprobs)`, the squared
+    probabilities `sum_pi_squared` and optional importance weights `rho`), each position's baseline is the
+    group's `sum_i G_t W_t / (sum_i W_t + eps)` (0 for a group of one), and `A_t = G_t - b_t`. With
+    `handle_zero_tail`, the single longest completion of a group has no baseline past the second-longest.
+    `multi_turn` aligns the positions by each row's k-th *trained* token (tool observations in between are
+    skipped) instead of by absolute position.
+
+    Returns:
+        `(advantages (B, T), returns (B, T))`: advantages 0 off the mask; returns are `G_t` (not masked).
+    """
+    g = _check_groups(token_rewards.shape[0], num_generations, "optimal_token_baseline")
+    maskf = mask.to(token_rewards.dtype)
+    returns = (token_rewards * maskf).flip(-1).cumsum(-1).flip(-1)
+    w = 1 - 2 * torch.exp(old_logprobs) + sum_pi_squared
+    if is_weights is not None:
+        w = w * is_weights.square()
+    cum_w = (w * maskf).cumsum(-1)
+    if multi_turn:  # the k-th trained token of every row at column k (stable sort keeps their order)
+        order = torch.argsort((~mask.bool()).to(torch.int8), dim=1, stable=True)
+        lengths = mask.bool().sum(-1)
+        cmask = (torch.arange(mask.shape[1], device=mask.device) < lengths.unsqueeze(1)).to(maskf.dtype)
+        G, W, m = returns.gather(1, order) * cmask, cum_w.gather(1, order) * cmask, cmask
+    else:
+        G, W, m = returns, cum_w, maskf
+    baseline = torch.zeros_like(G)
+    lengths = m.sum(-1)
+    for start in range(0, G.shape[0], g):
+        rows = torch.arange(start, start + g, device=G.device)
+        if multi_turn:
+            rows = rows[lengths[rows] > 0]  # an empty completion takes no part in its group
+        if rows.numel() < 2:
+            continue
+        num = (G[rows] * W[rows] * m[rows]).sum(0)
+        den = (W[rows] * m[rows]).sum(0) + eps
+        baseline[rows] = (num / den).to(baseline.dtype)
+        if handle_zero_tail:
+            lens = lengths[rows]
+            top2 = torch.sort(lens).values[-2:]
+            longest = (lens == top2[1]).nonzero().flatten()
+            if longest.numel() == 1 and top2[1] > top2[0]:
+                baseline[rows[longest[0]], int(top2[0].item()):] = 0.0
+    adv = (G - baseline) * m
+    if multi_turn:
+        adv = torch.zeros_like(adv).scatter(1, order, adv)
+    return adv * maskf, returns
+
+
 def compute_advantages(
     name: str,
     *,
@@ -294,11 +363,14 @@ def compute_advantages(
     scale_rewards: str = "group",
     scores_per_func: torch.Tensor | None = None,
     reward_weights=None,
+    old_logprobs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Advantages of the estimator `name` (one of `ADVANTAGE_ESTIMATORS`).
 
     `gdpo` uses `scores_per_func` `(B, K)` with `reward_weights` when given (else `scores` as one function);
-    `grpo_passk` scales by the group std unless `scale_rewards="none"`.
+    `grpo_passk` scales by the group std unless `scale_rewards="none"`. The optimal-token-baseline estimators
+    take `token_rewards`, `old_logprobs` and `sum_pi_squared` (the sampling policy's per-token statistics).
     `gae` and `reinforce_plus_plus` take `token_rewards` `(B, T)` (e.g. from
     `token_level_rewards`); the others take per-completion `scores` `(B,)`. `gae` also needs
     `values`, `remax` needs `greedy_scores`, and the group estimators (`grpo`, `rloo`, `dr_grpo`,
@@ -312,9 +384,11 @@ def compute_advantages(
         raise ValueError(
             f"unknown advantage estimator {name!r}; choose one of {ADVANTAGE_ESTIMATORS}."
         )
-    needs = {"gae": ("token_rewards", "values"), "reinforce_plus_plus": ("token_rewards",)}
+    otb = ("token_rewards", "old_logprobs", "sum_pi_squared")
+    needs = {"gae": ("token_rewards", "values"), "reinforce_plus_plus": ("token_rewards",),
+             "optimal_token_baseline": otb, "tir_optimal_token_baseline": otb}
     given = {"scores": scores, "token_rewards": token_rewards, "values": values,
-             "greedy_scores": greedy_scores}
+             "greedy_scores": greedy_scores, "old_logprobs": old_logprobs, "sum_pi_squared": sum_pi_squared}
     required = needs.get(name, ("scores",) + (("greedy_scores",) if name == "remax" else ()))
     for arg in required:
         if given[arg] is None:
@@ -329,6 +403,11 @@ def compute_advantages(
         return reinforce_pp_advantages(token_rewards, mask, gamma), None
     if name == "remax":
         return remax_advantages(scores, greedy_scores, mask), None
+    if name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        adv, _ = optimal_token_baseline_advantages(token_rewards, mask, old_logprobs, sum_pi_squared,
+                                                   _check_groups(batch, num_generations, name),
+                                                   multi_turn=name.startswith("tir"))
+        return adv, None
     g = _check_groups(batch, num_generations, name)
     if name == "grpo":
         return _broadcast(grpo_advantages(scores, g, scale_rewards)[0], mask), None

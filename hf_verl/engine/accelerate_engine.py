@@ -129,7 +129,7 @@ class AccelerateEngine(TrainingEngine):
     # ------------------------------------------------------------------ forward primitives
     def token_logprobs(self, input_ids, targets, select, *, attention_mask=None, position_ids=None,
                        temperature=1.0, chunk_size=1024, with_entropy=False, with_mean_logit=False,
-                       with_aux_loss=False) -> TokenStats:
+                       with_aux_loss=False, with_log_sum_sq=False) -> TokenStats:
         kwargs = self._forward(input_ids, attention_mask, position_ids)
         if with_aux_loss:
             kwargs["output_router_logits"] = True
@@ -141,11 +141,11 @@ class AccelerateEngine(TrainingEngine):
                              "Mixture-of-Experts model; set router_aux_loss_coef=0.")
         del out
         head = self.model.get_output_embeddings()
-        logp, entropy, mean_logit = logprobs_from_head(
+        logp, entropy, mean_logit, *sq = logprobs_from_head(
             hidden, head, targets[select], temperature=temperature, chunk_size=chunk_size,
-            with_entropy=with_entropy, with_mean_logit=with_mean_logit)
+            with_entropy=with_entropy, with_mean_logit=with_mean_logit, with_log_sum_sq=with_log_sum_sq)
         self._release_after_forward(logp)
-        return TokenStats(logp, entropy, mean_logit, aux)
+        return TokenStats(logp, entropy, mean_logit, aux, sq[0] if sq else None)
 
     def _release_after_forward(self, result: torch.Tensor) -> None:
         """An FSDP2 root stays gathered after its forward for the backward; without one, reshard it now."""

@@ -42,11 +42,14 @@ class TokenStats:
     entropy: torch.Tensor | None = None
     mean_logit: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None  # a Mixture of Experts' router load-balancing loss, when asked
+    log_sum_sq: torch.Tensor | None = None  # log sum_v p_v^2 per position (no gradient), when asked
 
 
 def rollout_positions(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(input_ids, attention_mask, position_ids, select, targets)` of a rollout batch: the position
-    before each real completion token is selected, and its target is that token."""
+    """`(input_ids, attention_mask, select, targets)` of a rollout batch: the position before each
+    completion token of `completion_mask` is selected, and its target is that token. The attention
+    mask (and so the positions) is `batch.attention_mask`, which covers tokens attended but not
+    selected (a multi-turn rollout's tool observations, `completion_attention_mask`)."""
     input_ids, mask = batch.input_ids, batch.attention_mask
     P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     select = torch.zeros_like(mask, dtype=torch.bool)
@@ -111,7 +114,8 @@ class TrainingEngine(abc.ABC):
     def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, select: torch.Tensor, *,
                        attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                        temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-                       with_mean_logit: bool = False, with_aux_loss: bool = False) -> TokenStats:
+                       with_mean_logit: bool = False, with_aux_loss: bool = False,
+                       with_log_sum_sq: bool = False) -> TokenStats:
         """Log-probs of `targets[select]` given the prefix up to each selected position (and the router
         load-balancing loss of a Mixture-of-Experts model with `with_aux_loss`).
 
@@ -146,6 +150,17 @@ class TrainingEngine(abc.ABC):
         entropy = scatter_completion(batch, stats.entropy) if with_entropy else None
         logp = scatter_completion(batch, stats.logp)
         return (logp, entropy, stats.aux_loss) if with_aux_loss else (logp, entropy)
+
+    def sampling_statistics(self, batch: RolloutBatch, *, temperature: float = 1.0,
+                            chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(B, C)` log-probs of a rollout's completion tokens and `sum_v pi_v^2` at each of them (no gradient;
+        0 on padding)."""
+        input_ids, mask, select, targets = rollout_positions(batch)
+        stats = self.token_logprobs(input_ids, targets, select, attention_mask=mask,
+                                    position_ids=position_ids_from_mask(mask),
+                                    temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
+                                    with_log_sum_sq=True)
+        return scatter_completion(batch, stats.logp), scatter_completion(batch, stats.log_sum_sq.exp())
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         """`(B, C)` critic values of the states before each completion token, 0 on padding."""

@@ -26,7 +26,7 @@ from hf_verl.parallel.dims import ParallelDims
 
 # estimators whose statistics span the round (groups, batch whitening): computed on gathered rows
 GLOBAL_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                     "gpg", "grpo_passk", "opo", "gdpo")
+                     "gpg", "grpo_passk", "opo", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def chunked(fn: Callable[[RolloutBatch], torch.Tensor], batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
@@ -46,6 +46,22 @@ def policy_logprobs(actor: TrainingEngine, batch: RolloutBatch, *, temperature: 
                        batch, micro_batch)
     finally:
         actor.train(was_training)
+
+
+@torch.no_grad()
+def sampling_statistics(actor: TrainingEngine, batch: RolloutBatch, *, temperature: float, chunk_size: int,
+                        micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(old log-probs, sum_v pi_v^2)`, both `(B, C)`, of the actor on a rollout (no gradient): the inputs of
+    the optimal-token-baseline estimators."""
+    was_training = actor.module.training
+    actor.eval()
+    try:
+        parts = [actor.sampling_statistics(batch.select(slice(i, i + max(1, micro_batch))), temperature=temperature,
+                                           chunk_size=chunk_size)
+                 for i in range(0, batch.batch_size, max(1, micro_batch))]
+    finally:
+        actor.train(was_training)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 @torch.no_grad()
@@ -99,8 +115,9 @@ def advantages(dims: ParallelDims, estimator: str, *, scores: torch.Tensor, mask
                num_generations: int | None, gamma: float = 1.0, lam: float = 0.95,
                values: torch.Tensor | None = None, token_rewards: torch.Tensor | None = None,
                greedy_scores: torch.Tensor | None = None, scale_rewards: str = "group",
-               scores_per_func: torch.Tensor | None = None,
-               reward_weights=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               scores_per_func: torch.Tensor | None = None, reward_weights=None,
+               old_logprobs: torch.Tensor | None = None,
+               sum_pi_squared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(advantages (B, C), returns (B, C) or None)` of this rank's rows with `estimator`.
 
     Per-sequence estimators (`gae`) run on the local rows; group and batch estimators run on the rows
@@ -118,13 +135,16 @@ def advantages(dims: ParallelDims, estimator: str, *, scores: torch.Tensor, mask
     all_tokens = None
     if token_rewards is not None:
         all_tokens = comm.gather_padded(dims, token_rewards, dim=1)
-    elif estimator == "reinforce_plus_plus":
+    elif estimator in ("reinforce_plus_plus", "optimal_token_baseline", "tir_optimal_token_baseline"):
         all_tokens, _ = token_level_rewards(all_scores, all_mask)
     all_per_func = comm.gather_rows(dims, scores_per_func) if scores_per_func is not None else None
     adv, _ = compute_advantages(estimator, scores=all_scores, token_rewards=all_tokens, mask=all_mask,
                                 num_generations=num_generations, gamma=gamma, greedy_scores=all_greedy,
                                 scale_rewards=scale_rewards, scores_per_func=all_per_func,
-                                reward_weights=reward_weights)
+                                reward_weights=reward_weights,
+                                old_logprobs=None if old_logprobs is None else comm.gather_padded(dims, old_logprobs),
+                                sum_pi_squared=None if sum_pi_squared is None else comm.gather_padded(
+                                    dims, sum_pi_squared))
     return comm.local_rows(dims, adv, n)[:, :width], None
 
 
