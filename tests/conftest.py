@@ -1,4 +1,8 @@
-"""Shared fixtures: a tiny character-level tokenizer with a chat template, built in code."""
+"""Shared fixtures: tiny character-level tokenizers with chat templates (a plain one and a Hermes-style
+tool-calling one), built in code."""
+
+import json
+import string
 
 import pytest
 
@@ -46,3 +50,52 @@ def build_bpe_tokenizer():
 @pytest.fixture
 def char_tokenizer():
     return build_char_tokenizer()
+
+
+# A Hermes / Qwen2.5-style chat template (tools in the system turn, <tool_call> blocks, tool results as
+# <tool_response> blocks of one user turn), written for these tests.
+HERMES_TEMPLATE = """
+{%- if tools %}
+    {{- '<|im_start|>system\\n<tools>' }}
+    {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+    {{- '\\n</tools><|im_end|>\\n' }}
+{%- endif %}
+{%- for m in messages %}
+    {%- if m.role == 'assistant' %}
+        {{- '<|im_start|>assistant\\n' + m.content }}
+        {%- for call in m.tool_calls or [] %}
+            {%- set f = call.function if call.function is defined else call %}
+            {{- '<tool_call>\\n{"name": "' + f.name + '", "arguments": ' }}
+            {{- (f.arguments | tojson) + '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif m.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+def build_hermes_tokenizer():
+    """A character-level tokenizer over printable ASCII, `<|im_end|>` as EOS, with the Hermes template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_end|>", "<|im_start|>"]
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(specials + chars)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    fast.chat_template = HERMES_TEMPLATE
+    return fast
+
+
+def call_text(name, arguments):
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'

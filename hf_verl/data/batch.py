@@ -22,6 +22,7 @@ _TENSOR_SPEC: dict[str, tuple[str, str]] = {
     "prompt_mask": ("BP", "mask"),
     "completion_ids": ("BC", "long"),
     "completion_mask": ("BC", "mask"),
+    "completion_attention_mask": ("BC", "mask"),
     "sampling_logprobs": ("BC", "float"),
     "old_logprobs": ("BC", "float"),
     "ref_logprobs": ("BC", "float"),
@@ -40,8 +41,11 @@ class RolloutBatch:
     """Token ids, masks and per-token / per-sample statistics of a batch of completions.
 
     Required: `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`. Everything else is
-    filled in by later phases (`None` until then). `meta` holds the non-tensor side (prompt and
-    completion texts, extra dataset columns, a trace id), each list aligned with the batch.
+    filled in by later phases (`None` until then). `completion_mask` selects the tokens that are
+    trained on and scored; `completion_attention_mask`, when set, is the completion's attention mask
+    (1 on every real token, tool observations included; multi-turn rollouts). `meta` holds the
+    non-tensor side (prompt and completion texts, extra dataset columns, a trace id), each list
+    aligned with the batch.
     """
 
     prompt_ids: torch.Tensor
@@ -58,6 +62,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     weight_version: torch.Tensor | None = None
     is_truncated: torch.Tensor | None = None
+    completion_attention_mask: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ construction helpers
@@ -102,7 +107,11 @@ class RolloutBatch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+        """`cat([prompt_mask, completion part], 1)`: the completion part is `completion_attention_mask` when set
+        (multi-turn rollouts: tool observations are attended and positioned but not trained on), else
+        `completion_mask`."""
+        completion = self.completion_mask if self.completion_attention_mask is None else self.completion_attention_mask
+        return torch.cat([self.prompt_mask, completion], dim=1)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -197,6 +206,17 @@ class RolloutBatch:
         if size < 1:
             raise ValueError(f"split size must be >= 1, got {size}.")
         return [self.select(slice(i, i + size)) for i in range(0, self.batch_size, size)]
+
+
+def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
+    """TRL's `pad_to_multiple_of`: "auto" (None off Neuron devices), "none"/"null", or a positive int."""
+    if isinstance(value, str):
+        if value == "auto" or value.lower() in ("none", "null"):
+            return None
+        value = int(value)
+    if value is not None and value < 1:
+        raise ValueError(f"pad_to_multiple_of must be a positive integer, 'auto' or None, got {value}.")
+    return value
 
 
 def pad_sequences(

@@ -71,7 +71,7 @@ def _known_policy_loss(name: str) -> bool:
     except ValueError:
         return False
     return True
-_ESTIMATORS = ("auto", *[e for e in ADVANTAGE_ESTIMATORS if e != "remax"])
+_ESTIMATORS = ("auto", *[e for e in ADVANTAGE_ESTIMATORS if e != "remax" and "optimal_token_baseline" not in e])
 
 # The names and defaults are those of the TRL-style configs (GRPOConfig for what GRPO has, PPOConfig
 # for the critic's knobs): one vocabulary and one default per concept across the library.
@@ -86,6 +86,9 @@ FIELDS: dict[str, Field] = {
     "temperature": Field(1.0, (float,), _nonneg, "a finite float >= 0 (0 is greedy)", "Sampling temperature."),
     "top_p": Field(1.0, (float,), lambda v: 0.0 < v <= 1.0, "a float in (0, 1]", "Nucleus sampling mass."),
     "top_k": Field(0, (int,), lambda v: v >= 0, "an int >= 0 (0 disables it)", "Top-k sampling."),
+    "max_tool_calling_iterations": Field(None, (int, _NONE), lambda v: v is None or v >= 0, "None or an int >= 0",
+                                         "With tools: most tool-calling rounds per completion; None: no limit but "
+                                         "max_completion_length, which bounds the whole multi-turn completion."),
     "advantage_estimator": Field("auto", (str,), lambda v: v in _ESTIMATORS, f"one of {_ESTIMATORS}",
                                  "Advantage estimator: 'auto' is 'gae' with a critic and 'grpo' without."),
     "scale_rewards": Field("group", (str,), lambda v: v in SCALE_REWARDS, f"one of {SCALE_REWARDS}",

@@ -17,7 +17,7 @@ from hf_verl.facade.rollout import Rollout
 
 # settings a generated rollout depends on: a change discards a prefetch (its rows are regenerated)
 GENERATION_SETTINGS = ("num_generations", "max_completion_length", "max_prompt_length", "temperature", "top_p",
-                       "top_k", "seed", "per_row_sampling_seed")
+                       "top_k", "seed", "per_row_sampling_seed", "max_tool_calling_iterations")
 
 
 @dataclass

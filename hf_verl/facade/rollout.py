@@ -26,8 +26,9 @@ class Rollout(RolloutBatch):
         return self.meta.get("prompts", [])
 
     @property
-    def completions(self) -> list[str]:
-        """The decoded completion texts (special tokens skipped)."""
+    def completions(self) -> list:
+        """The decoded completion texts (special tokens skipped); with tools, each completion's messages
+        (assistant turns with their `tool_calls`, and the `tool` results)."""
         return self.meta.get("completions", [])
 
     @property

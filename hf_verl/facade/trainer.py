@@ -53,6 +53,12 @@ from hf_verl.pipeline import generation, losses, phases
 from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
 from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
+from hf_verl.pipeline.tool_rollout import (
+    ToolRollout,
+    engine_context_length,
+    tool_frequencies,
+    tool_metrics,
+)
 from hf_verl.rewards.callables import combine_rewards, reward_func_name
 from hf_verl.rewards.reward_model import resolve_reward_sources
 from hf_verl.rollout.base import RolloutEngine, SamplingParams
@@ -84,6 +90,12 @@ class Trainer:
         rollout_engine ([`RolloutEngine`], *optional*): generation engine for `actor_model`;
             defaults to a [`TransformersEngine`] sharing the actor's weights (a replica of them when
             the actor is sharded).
+        tools (`list[Callable]`, *optional*): functions (type hints, Google-style docstring) the actor
+            may call while generating, as with `GRPOTrainer(tools=...)`: rollouts become multi-turn
+            (at most `config.max_tool_calling_iterations` tool rounds, `max_completion_length` tokens in
+            all), tool results are attended but masked out of the loss, and the reward functions get
+            the completions as message lists. Needs conversational prompts and a chat template that
+            renders tool calls.
 
     Construction loads nothing: roles given by id are fetched, and the parallel layout of the
     launch applied, the first time they are needed. With `use_async_rollout` a background worker
@@ -93,7 +105,8 @@ class Trainer:
     def __init__(self, actor_model: Any, critic_model: Any = None, reward_model: Any = None,
                  reference_model: Any = None, tokenizer: Any = None, dataset: Any = None,
                  config: TrainerConfig | Mapping | None = None, *, reward_tokenizer: Any = None,
-                 reward_weights: Sequence[float] | None = None, rollout_engine: RolloutEngine | None = None) -> None:
+                 reward_weights: Sequence[float] | None = None, rollout_engine: RolloutEngine | None = None,
+                 tools: Sequence[Callable] | None = None) -> None:
         self.config = config if isinstance(config, TrainerConfig) else TrainerConfig(**dict(config or {}))
         if isinstance(actor_model, RolloutEngine):
             rollout_engine, actor_model = actor_model, getattr(actor_model, "model", None)
@@ -113,6 +126,10 @@ class Trainer:
         self.reward_funcs = resolve_reward_sources(reward_model, reward_tokenizer, defer_checks=True)
         self.reward_weights = reward_weights
         self._tokenizer = tokenizer
+        self._tool_rollout = ToolRollout(tools) if tools else None
+        self._tools_checked = False
+        if self._tool_rollout is not None and (tokenizer or getattr(rollout_engine, "tokenizer", None)) is not None:
+            self._check_tools()  # a tokenizer at hand is checked now; one loaded from the actor id at first use
         self._engine = rollout_engine
         self.dataset = dataset
         self.debug_mode = False
@@ -439,15 +456,25 @@ class Trainer:
         t0 = time.perf_counter()
         sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
                                   top_p=cfg.top_p, top_k=cfg.top_k)
-        self._record("prompts->actor", {"prompt_ids": torch.tensor([len(p) for p in prompt_ids])})
-        out = generation.generate(engine, prompt_ids, prompts, sampling, self.tokenizer,
-                                  model_device_dtype(self.model)[0], row_seeds=row_seeds, version=version,
-                                  batch_cls=Rollout)
-        self._record("actor->rollout", out.tensor_fields())
-        t1 = time.perf_counter()
+        device = model_device_dtype(self.model)[0]
+        if self._tool_rollout is not None:  # multi-turn: the trainers' tool-calling path
+            rows = [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
+            result = self._tool_rollout.generate_and_score(
+                engine, rows, self.tokenizer, sampling, self.reward_funcs, columns, device=device,
+                row_seeds=row_seeds, max_prompt_length=cfg.max_prompt_length, version=version, batch_cls=Rollout,
+                max_context_length=engine_context_length(engine), max_iterations=cfg.max_tool_calling_iterations)
+            out, per_func, t1 = result.batch, result.rewards_per_func, t0 + result.generate_s
+            num_truncated = -(-result.num_truncated // cfg.num_generations)
+            self._record("actor->rollout", out.tensor_fields())
+        else:
+            self._record("prompts->actor", {"prompt_ids": torch.tensor([len(p) for p in prompt_ids])})
+            out = generation.generate(engine, prompt_ids, prompts, sampling, self.tokenizer, device,
+                                      row_seeds=row_seeds, version=version, batch_cls=Rollout)
+            self._record("actor->rollout", out.tensor_fields())
+            t1 = time.perf_counter()
+            per_func = generation.score(self.reward_funcs, out, columns)
         for k, v in columns.items():
             out.meta[COLUMN_PREFIX + k] = v
-        per_func = generation.score(self.reward_funcs, out, columns)
         out.rewards = combine_rewards(per_func, self.reward_weights).to(out.device)
         self._record("reward->rollout", {"rewards": out.rewards})
         timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}
@@ -525,8 +552,18 @@ class Trainer:
         mine = rows[dims.dp_rank * n : (dims.dp_rank + 1) * n]
         return [dict(self.dataset[i]) for i in mine]
 
-    def _tokenize(self, prompts: list) -> tuple[list[list[int]], int]:
-        """Token ids of each (repeated) prompt and the number of distinct prompts truncated."""
+    def _check_tools(self) -> None:
+        if self._tool_rollout is not None and not self._tools_checked:
+            self._tool_rollout.check_tokenizer(self.tokenizer)
+            self._tools_checked = True
+
+    def _tokenize(self, prompts: list) -> tuple[list[list[int]] | None, int]:
+        """Token ids of each (repeated) prompt and the number of distinct prompts truncated; `(None, 0)` with
+        tools, whose rollout renders each prompt with the tools' schemas itself."""
+        if self._tool_rollout is not None:
+            self._check_tools()
+            self._tool_rollout.check_prompts(prompts)
+            return None, 0
         G = self.config.num_generations
         unique = tokenize_prompts(prompts[::G], self.tokenizer, self.config.max_prompt_length)
         return [ids for ids in unique.ids for _ in range(G)], unique.num_truncated
@@ -593,6 +630,9 @@ class Trainer:
         }
         for j, func in enumerate(self.reward_funcs):
             m[f"reward/{reward_func_name(func)}/mean"] = per_func[:, j].nanmean().item()
+        counts = tool_metrics(out)
+        if counts is not None:  # TRL's tool metrics (this rank's rows)
+            m.update(tool_frequencies(counts))
         for k, v in timings.items():
             m[f"time/{k}_s"] = v
         return m

@@ -41,6 +41,17 @@ def gather_rows(dims: ParallelDims, tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([p[:n] for p, n in zip(parts, rows)]).to(tensor.device)
 
 
+def gather_objects(dims: ParallelDims, items: list) -> list:
+    """The picklable `items` of every data-parallel rank concatenated in rank order (logging only: slow)."""
+    if dims.dp_size == 1:
+        return list(items)
+    import torch.distributed as dist
+
+    parts: list = [None] * dims.dp_size
+    dist.all_gather_object(parts, list(items), group=dims.dp_group)
+    return [x for part in parts for x in part]
+
+
 def gather_ragged(dims: ParallelDims, values: torch.Tensor) -> torch.Tensor:
     """The 1-D `values` of every data-parallel rank concatenated (rank order), whatever their lengths."""
     if dims.dp_size == 1:

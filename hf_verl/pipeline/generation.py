@@ -8,16 +8,24 @@ messages) and returned per source, `(N, num_sources)`, NaN where a source return
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from hf_verl.data.batch import RolloutBatch
+from hf_verl.data.batch import RolloutBatch, pad_sequences
 from hf_verl.data.prompts import is_conversational
 from hf_verl.rewards.callables import score_reward_funcs
-from hf_verl.rollout.base import FINISH_LENGTH, GenerationOutput, RolloutEngine, SamplingParams
+from hf_verl.rollout.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+)
+from hf_verl.rollout.tools import parse_assistant_turn
 
 
 def row_seeds(seed: int, round_index: int, dp_rank: int, dp_size: int, rows: int) -> list[int]:
@@ -55,11 +63,64 @@ def generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], prompts
     return batch_from_output(prompt_ids, prompts, out, tokenizer, device, version=version, batch_cls=batch_cls)
 
 
-def score_texts(reward_funcs: Sequence[Any], prompts: Sequence[Any], completions: Sequence[str],
+def batch_from_rollout_func(output: Any, prompts: Sequence[Any], tokenizer: Any, device: torch.device | str, *,
+                            version: int = 0, batch_cls: type[RolloutBatch] = RolloutBatch
+                            ) -> tuple[RolloutBatch, dict[str, list]]:
+    """The batch of a TRL `rollout_func` output and the extra fields its reward functions receive.
+
+    `output` holds `prompt_ids`, `completion_ids` and `logprobs` (per token, `None`; top-k lists keep their
+    first entry, the sampled token's), one entry per prompt. An `env_mask` entry (per token: 1 on model
+    tokens, 0 on environment tokens) becomes the loss mask, the tokens staying attended; every other
+    entry is a reward column (a list: one value per row; anything else: the same value for every row).
+    A completion is truncated unless it ends with the EOS or padding token. Conversational completions are
+    parsed with the tokenizer's `response_template` when it has one (TRL), else decoded as text.
+    """
+    if not isinstance(output, dict):
+        raise TypeError(f"rollout_func must return a dict, got {type(output).__name__}.")
+    missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - set(output))
+    if missing:
+        raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
+    n = len(prompts)
+    prompt_ids = [[int(t) for t in p] for p in output["prompt_ids"]]
+    completion_ids = [[int(t) for t in c] for c in output["completion_ids"]]
+    if len(prompt_ids) != n or len(completion_ids) != n:
+        raise ValueError(f"rollout_func returned {len(prompt_ids)} prompt_ids and {len(completion_ids)} completion_ids "
+                         f"for {n} prompts: return one completion per prompt received (the prompts already repeat "
+                         "each dataset prompt num_generations times).")
+    logprobs = output["logprobs"]
+    if logprobs is not None:
+        logprobs = [[float("nan") if x is None else float(x[0] if isinstance(x, (list, tuple)) else x) for x in row]
+                    for row in logprobs]
+    ends = {tokenizer.eos_token_id, tokenizer.pad_token_id} - {None}
+    placeholder = [[0.0] * len(c) for c in completion_ids]
+    out = GenerationOutput(completion_ids, logprobs if logprobs is not None else placeholder,
+                           [FINISH_STOP if c and c[-1] in ends else FINISH_LENGTH for c in completion_ids],
+                           weight_version=version)
+    batch = batch_from_output(prompt_ids, prompts, out, tokenizer, device, batch_cls=batch_cls)
+    if logprobs is None or any(math.isnan(x) for row in logprobs for x in row):  # no importance sampling then
+        batch.sampling_logprobs = None
+    extra = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs")}
+    env_mask = extra.pop("env_mask", None)
+    if env_mask is not None:
+        if [len(m) for m in env_mask] != [len(c) for c in completion_ids]:
+            raise ValueError("rollout_func's env_mask must have one entry per completion token.")
+        mask, _ = pad_sequences(env_mask, 1, side="right", device=batch.device, width=batch.completion_ids.shape[1])
+        batch.completion_attention_mask = batch.completion_mask
+        batch.completion_mask = batch.completion_mask * (mask != 0).long()
+    if prompts and is_conversational(prompts[0]) and getattr(tokenizer, "response_template", None) is not None:
+        batch.meta["completions"] = [[parse_assistant_turn(tokenizer, c, prefix_ids=p).message]
+                                     for p, c in zip(prompt_ids, completion_ids)]
+    columns = {k: list(v) if isinstance(v, list) else [v] * n for k, v in extra.items()}
+    return batch.validate(), columns
+
+
+def score_texts(reward_funcs: Sequence[Any], prompts: Sequence[Any], completions: Sequence[Any],
                 completion_ids: Sequence[Sequence[int]], columns: dict[str, list]) -> torch.Tensor:
-    """`(N, num_sources)` scores of decoded completions (NaN where a source returned None)."""
+    """`(N, num_sources)` scores of decoded completions (NaN where a source returned None). For conversational
+    prompts a completion text becomes one assistant message; a completion that is already a message list (a
+    multi-turn, tool-calling rollout) is passed as it is."""
     if prompts and is_conversational(prompts[0]):  # conversational: completions are assistant messages
-        completions = [[{"role": "assistant", "content": c}] for c in completions]
+        completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
     return score_reward_funcs(reward_funcs, prompts=list(prompts), completions=list(completions),
                               completion_ids=list(completion_ids), columns=columns)
 

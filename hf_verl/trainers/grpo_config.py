@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 from hf_verl.algorithms.advantages import SCALE_REWARDS
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
+from hf_verl.data.batch import resolve_pad_to_multiple_of
 from hf_verl.trainers.parallel_args import ParallelArguments
 from hf_verl.trainers.policy_args import (
     MULTI_OBJECTIVE_AGGREGATIONS,
@@ -29,17 +30,6 @@ from hf_verl.trainers.rollout_args import RolloutArguments
 from hf_verl.trainers.vllm_args import VLLMArguments
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
-    """TRL's `pad_to_multiple_of`: "auto" (None off Neuron devices), "none"/"null", or a positive int."""
-    if isinstance(value, str):
-        if value == "auto" or value.lower() in ("none", "null"):
-            return None
-        value = int(value)
-    if value is not None and value < 1:
-        raise ValueError(f"pad_to_multiple_of must be a positive integer, 'auto' or None, got {value}.")
-    return value
 
 
 def _help(text: str) -> Any:

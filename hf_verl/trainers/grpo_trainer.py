@@ -9,6 +9,7 @@ the round is used up; and the loss: PPO clip + k3 KL, aggregated per `loss_type`
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -20,6 +21,7 @@ from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.model_options import cast_lm_head_to_fp32, router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline import losses, phases
+from hf_verl.pipeline.tool_rollout import ToolRollout
 from hf_verl.rewards.callables import combine_rewards
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.on_policy import OnPolicyTrainer
@@ -40,13 +42,29 @@ class GRPOTrainer(OnPolicyTrainer):
         reward_processing_classes: tokenizers of reward models, aligned with `reward_funcs`.
         callbacks, optimizers: as in `transformers.Trainer`.
         peft_config: a `peft` config; the reference is then the model with adapters disabled.
+        tools (`list[Callable]`, *optional*): functions (sync or async, type hints and a Google-style
+            docstring) the model may call while generating: completions become multi-turn, tool results
+            are in the context but masked out of the loss, reward functions receive the completions as
+            message lists. Needs conversational prompts and a chat template that renders tool calls.
+        rollout_func (`Callable`, *optional*): custom generation, TRL's contract: called as
+            `rollout_func(prompts, trainer)` with this process's prompts of the round (each already
+            repeated `num_generations` times) and returning a dict with `prompt_ids`, `completion_ids`
+            and `logprobs` (per token, or None), one entry per prompt; an `env_mask` entry (1 on model
+            tokens, 0 on tokens to leave out of the loss) masks the loss, every other entry reaches the
+            reward functions as a column. `trainer.engine` is the rollout engine, synced to the policy.
+        environment_factory (`Callable` or `dict[str, Callable]`, *optional*): makes one environment per
+            row (a dict: chosen by the row's `environment` column), reset with `reset(**row)` (a returned
+            string is appended to the prompt's last message); its public methods are that row's tools, a
+            `get_reward()` method is an extra reward source (named after the class, weight 1), and reward
+            functions receive the instances as `environments=`.
     """
 
     _tag_names = ["hf_verl", "grpo"]
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None,
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None,
-                 callbacks=None, optimizers=(None, None), peft_config=None) -> None:
+                 callbacks=None, optimizers=(None, None), peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None) -> None:
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
@@ -69,6 +87,9 @@ class GRPOTrainer(OnPolicyTrainer):
                              "disabled and cannot be mixed; set sync_ref_model=False or train without peft_config.")
         if args.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {args.vllm_mode!r}.")
+        tool_rollout, reward_funcs, reward_processing_classes, args = self._tool_setup(
+            args, tools, environment_factory, rollout_func, reward_funcs, reward_processing_classes, processing_class,
+            train_dataset)
         super().__init__(model=model, args=args, reward_funcs=reward_funcs,
                          reward_processing_classes=reward_processing_classes, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -82,6 +103,58 @@ class GRPOTrainer(OnPolicyTrainer):
         self._loss_params = args.policy_loss_params()
         if args.sync_ref_model:
             self.add_callback(ReferenceMixCallback(self))
+        self._tool_rollout, self.rollout_func = tool_rollout, rollout_func
+
+    @staticmethod
+    def _tool_setup(args, tools, environment_factory, rollout_func, reward_funcs, reward_processing_classes,
+                    processing_class, train_dataset):
+        """Check `tools` / `environment_factory` / `rollout_func` against the rest of the setup (refusing what
+        cannot work, naming what to change) and add the environments' `get_reward` reward sources.
+
+        Returns:
+            `(ToolRollout or None, reward_funcs, reward_processing_classes, args)`; `args` is a copy when the
+            environments' reward weights (1 each) were appended to `reward_weights`.
+        """
+        if rollout_func is not None:
+            if not callable(rollout_func):
+                raise TypeError(f"rollout_func must be a callable (prompts, trainer) -> dict, got {rollout_func!r}.")
+            if tools or environment_factory is not None:
+                raise ValueError("rollout_func cannot be combined with tools / environment_factory: a rollout_func "
+                                 "generates on its own (any tool calling included); pass either rollout_func, or "
+                                 "tools / environment_factory.")
+            if args.use_async_rollout:
+                raise ValueError("rollout_func with use_async_rollout=True is not supported: a rollout_func generates "
+                                 "with the trainer's own engine, which async rollout must not read while the policy "
+                                 "trains; set use_async_rollout=False.")
+        if not tools and environment_factory is None:
+            if reward_funcs is None:
+                raise ValueError("no reward source: pass reward_funcs, or an environment_factory whose environment "
+                                 "defines a get_reward method.")
+            return None, reward_funcs, reward_processing_classes, args
+        if args.advantage_estimator == "remax":
+            raise ValueError("advantage_estimator='remax' with tools / environment_factory is not supported: its "
+                             "greedy baseline is generated single-turn, without tools; choose another estimator.")
+        tool_rollout = ToolRollout(tools, environment_factory, args.max_tool_calling_iterations)
+        tool_rollout.check_tokenizer(processing_class)
+        columns = list(getattr(train_dataset, "column_names", None) or [])
+        if columns and "prompt" not in columns:
+            raise ValueError(f"tools / environment_factory need a 'prompt' column of chat messages; the dataset has "
+                             f"{sorted(columns)} (pre-tokenised input_ids cannot carry the tools' schemas).")
+        if columns and hasattr(train_dataset, "__getitem__") and len(train_dataset):
+            tool_rollout.check_prompts([train_dataset[0]["prompt"]])
+        env_rewards = tool_rollout.reward_funcs()
+        if env_rewards:
+            funcs = [] if reward_funcs is None else (
+                list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+            reward_funcs = funcs + env_rewards
+            if isinstance(reward_processing_classes, (list, tuple)):
+                reward_processing_classes = list(reward_processing_classes) + [None] * len(env_rewards)
+            if args.reward_weights is not None:
+                args = copy.copy(args)
+                args.reward_weights = list(args.reward_weights) + [1.0] * len(env_rewards)
+        elif reward_funcs is None:
+            raise ValueError("no reward source: pass reward_funcs, or give the environment a get_reward method.")
+        return tool_rollout, reward_funcs, reward_processing_classes, args
 
     def _max_new_tokens(self) -> int:
         return self.args.max_completion_length
@@ -103,10 +176,14 @@ class GRPOTrainer(OnPolicyTrainer):
             batch.advantages = comm.local_rows(dims, advantages, local.shape[0])
         else:  # another critic-free estimator, token-level (B, C)
             greedy = self._greedy_baseline_scores(batch, rows) if args.advantage_estimator == "remax" else None
+            sum_sq = None
+            if "optimal_token_baseline" in args.advantage_estimator:  # the sampling policy's token statistics
+                batch.old_logprobs, sum_sq = phases.sampling_statistics(self.actor, batch, **self._logprob_kwargs())
             batch.advantages, _ = phases.advantages(
                 dims, args.advantage_estimator, scores=local, mask=batch.completion_mask,
                 num_generations=args.num_generations, greedy_scores=greedy, scale_rewards=args.scale_rewards,
-                scores_per_func=torch.nan_to_num(rewards_per_func), reward_weights=args.reward_weights)
+                scores_per_func=torch.nan_to_num(rewards_per_func), reward_weights=args.reward_weights,
+                old_logprobs=batch.old_logprobs, sum_pi_squared=sum_sq)
         batch.validate()
         # dapo: token mean over the round; each micro-batch loss is later divided by grad accumulation
         normalizer = phases.global_token_count(dims, batch.completion_mask) / (args.steps_per_generation * dims.dp_size)
@@ -118,7 +195,7 @@ class GRPOTrainer(OnPolicyTrainer):
             mb.meta["token_normalizer"] = entropy_count
             if args.beta > 0:
                 mb.ref_logprobs = self._reference_logprobs(mb)
-            if self._policy_moves_within_round() or off_policy:
+            if (self._policy_moves_within_round() or off_policy) and mb.old_logprobs is None:
                 mb.old_logprobs = self._old_logprobs(mb)
             if off_policy:  # behaviour/trainer mismatch, logged always, corrected when asked
                 stats = phases.attach_importance_weights(
@@ -127,7 +204,13 @@ class GRPOTrainer(OnPolicyTrainer):
                 for k, v in stats.items():
                     self._metrics[k].append(v)
         timings["reference"] = time.perf_counter() - t_ref
-        self._log_rewards(comm.gather_rows(dims, rewards_per_func), all_rewards, group_std)
+        all_per_func = comm.gather_rows(dims, rewards_per_func)
+        self._log_rewards(all_per_func, all_rewards, group_std)
+        if self.completion_log.enabled:
+            adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages[:, 0]
+            self.completion_log.record(comm.gather_objects(dims, batch.meta["prompts"]),
+                                       comm.gather_objects(dims, batch.meta["completions"]), all_per_func,
+                                       comm.gather_rows(dims, adv))
         self._log_common(batch, timings)
         return micro
 

@@ -18,6 +18,7 @@ sampling fields named in `_sampling_params`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -40,10 +41,16 @@ from hf_verl.pipeline import generation, phases
 from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
 from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
+from hf_verl.pipeline.tool_rollout import (
+    engine_context_length,
+    tool_frequencies,
+    tool_metrics,
+)
 from hf_verl.rewards.callables import combine_rewards, reward_func_name
 from hf_verl.rewards.reward_model import resolve_reward_sources
 from hf_verl.rollout.base import RolloutEngine, SamplingParams, apply_generation_kwargs
 from hf_verl.rollout.hf_engine import TransformersEngine
+from hf_verl.trainers.completion_log import CompletionLog
 from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
 from hf_verl.trainers.vllm_args import colocate_max_model_len
 
@@ -52,6 +59,9 @@ logger = logging.getLogger(__name__)
 
 class OnPolicyTrainer(EngineTrainerMixin, Trainer):
     """Base of the on-policy trainers (see the module docstring); not used directly."""
+
+    _tool_rollout = None  # a ToolRollout: tool-calling, multi-turn rollouts (GRPO's tools / environment_factory)
+    rollout_func = None  # TRL's custom generation function (GRPO)
 
     def __init__(self, *, model, args, reward_funcs, reward_processing_classes, train_dataset, eval_dataset,
                  processing_class, callbacks, optimizers, ref_model=None, need_reference: bool = False,
@@ -98,6 +108,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         self._engine_step: int | None = None  # global step whose weights an engine with its own weights holds
         self._pending = None  # asynchronous rollout: (round, weights' round, future)
         self._prefetcher = RolloutPrefetcher()
+        self.completion_log = CompletionLog(args, self.reward_names, seed=args.seed)
         self._prompt_limit = args.max_prompt_length  # lowered when a colocated engine has fewer positions
         if train_dataset is not None and hasattr(train_dataset, "__len__"):
             self._get_train_sampler()  # a dataset too small for one round fails here, not at train()
@@ -202,11 +213,27 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         return self._finish_collected(self._collect(rows, self.engine, seeds))
 
     def _collect(self, rows: list[dict], engine: RolloutEngine, row_seeds: list[int] | None = None) -> dict:
-        """Tokenise, generate and score: no trainer forward, so it may run off the main thread."""
+        """Tokenise, generate and score: no trainer forward, so it may run off the main thread. With tools the
+        rollout is multi-turn (the same path on every engine); with a `rollout_func`, that function generates."""
         t0 = time.perf_counter()
-        tok, prompts = self._tokenize_rows(rows)
         columns = generation.row_columns(rows)
         device = self.args.device
+        if self.rollout_func is not None:
+            batch, rewards_per_func, timings = self._custom_rollout(rows, engine, columns)
+            return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func, "num_truncated": 0,
+                    "timings": timings}
+        if self._tool_rollout is not None:
+            result = self._tool_rollout.generate_and_score(
+                engine, rows, self.processing_class, self._sampling_params(), self.reward_funcs, columns,
+                device=device, row_seeds=row_seeds, max_prompt_length=self._prompt_limit,
+                chat_template_kwargs=getattr(self.args, "chat_template_kwargs", None),
+                max_context_length=engine_context_length(engine))
+            batch = result.batch.pad_to_multiple(getattr(self.args, "pad_to_multiple_of", None),
+                                                 self.processing_class.pad_token_id)
+            return {"rows": rows, "batch": batch, "rewards_per_func": result.rewards_per_func,
+                    "num_truncated": result.num_truncated,
+                    "timings": {"generate": result.generate_s, "reward": result.reward_s}}
+        tok, prompts = self._tokenize_rows(rows)
         if hasattr(engine, "generate_stream") and row_seeds is None:  # a server: score requests as they finish
             batch, rewards_per_func, reward_s = generation.generate_scoring_as_done(
                 engine, tok.ids, prompts, self._sampling_params(), self.processing_class, device,
@@ -222,8 +249,25 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func,
                 "num_truncated": tok.num_truncated, "timings": timings}
 
+    def _custom_rollout(self, rows: list[dict], engine: RolloutEngine, columns: dict[str, list]):
+        """TRL's `rollout_func(prompts, trainer)`: its output becomes the batch, its extra fields reward columns."""
+        t0 = time.perf_counter()
+        prompts = [r.get("prompt") for r in rows]
+        output = self.rollout_func(copy.deepcopy(prompts), self)
+        batch, extra = generation.batch_from_rollout_func(output, prompts, self.processing_class, self.args.device,
+                                                          version=engine.weight_version)
+        batch = batch.pad_to_multiple(getattr(self.args, "pad_to_multiple_of", None),
+                                      self.processing_class.pad_token_id)
+        t1 = time.perf_counter()
+        rewards_per_func = generation.score(self.reward_funcs, batch, {**columns, **extra})
+        return batch, rewards_per_func, {"generate": t1 - t0, "reward": time.perf_counter() - t1}
+
     def _finish_collected(self, c: dict) -> list[RolloutBatch]:
         self._metrics["prompts/truncated_ratio"].append(c["num_truncated"] / c["batch"].batch_size)
+        counts = tool_metrics(c["batch"])
+        if counts is not None:  # TRL's tool metrics, over every rank's rows
+            for key, value in tool_frequencies(comm.reduce(self.dims, counts, "sum")).items():
+                self._metrics[key].append(value)
         return self._finish_round(c["batch"], c["rows"], c["rewards_per_func"], c["timings"])
 
     # ------------------------------------------------------------------ asynchronous rollout
@@ -396,9 +440,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         totals = torch.zeros(3 + 2 * n_funcs, dtype=torch.float64)
         for start in tqdm(range(0, len(shard), size), desc="Evaluating", disable=not self.is_local_process_zero()):
             rows = [shard[i] for i in range(start, min(start + size, len(shard))) for _ in range(repeats)]
-            tok, prompts = self._tokenize_rows(rows)
-            batch = self._generate(tok.ids, prompts)
-            per_func = self._score(batch, rows).double().cpu()
+            collected = self._collect(rows, self.engine)  # the training rollout path (tools, rollout_func)
+            batch, per_func = collected["batch"], collected["rewards_per_func"].double().cpu()
             combined = combine_rewards(per_func, self.args.reward_weights)
             totals[0] += combined.sum()
             totals[1] += batch.completion_mask.sum().item()
@@ -495,4 +538,5 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         logs.update(zip(keys, values.tolist()))
         self._engine_grad_norm(logs)
         self._metrics.clear()
+        self.completion_log.flush(self.state.global_step, self.args.output_dir, self.is_world_process_zero())
         super().log(logs, start_time)

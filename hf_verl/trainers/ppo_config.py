@@ -178,6 +178,9 @@ class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArgu
         self._validate_rollout()
         self._validate_policy_loss()
         resolve_aggregation(self.loss_agg_mode)
+        if "optimal_token_baseline" in self.advantage_estimator:
+            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} is available in GRPOTrainer (it needs "
+                             "the sampling policy's per-token statistics, which GRPO computes); use GRPOTrainer.")
         if self.use_adaptive_entropy:
             raise ValueError("use_adaptive_entropy is a GRPO option (TRL); PPOTrainer takes a fixed entropy_coef.")
         group = self.advantage_estimator in ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline", "gpg",
