@@ -104,3 +104,17 @@ def test_grpo_with_tools_on_colocated_vllm(tmp_path):
     assert r["engine"] == "VLLMEngine" and r["num_logs"] == 2
     assert r["tool_rounds_right"] and min(r["call_frequency"]) > 0 and r["observations_masked"]
     assert r["max_logp_gap"] < 0.05
+
+
+@pytest.mark.slow
+def test_calculator_example_tool_use_rises(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        import grpo_calculator_tools as example
+    finally:
+        sys.path.pop(0)
+    logs = example.main(max_steps=20, output_dir=str(tmp_path))
+    first, last = logs[0], logs[-1]
+    assert first["step"] == 1 and last["step"] == 20
+    assert first["tools/call_frequency"] < 0.5 and last["tools/call_frequency"] > 0.85
+    assert last["tools/failure_frequency"] == 0
