@@ -8,6 +8,10 @@ model it did not wrap itself, so this mixin overrides the few private methods th
 `_wrap_model` (hand over the engine), and, for sharded layouts only, `_load_from_checkpoint`,
 `_save_optimizer_and_scheduler` and `_load_optimizer_and_scheduler` (every rank saves and loads its
 own shard; the Trainer's defaults save rank 0's state only). Everything else is public API.
+
+Also here, shared by every trainer: loading a model given by id with TRL's defaults
+(:func:`load_pretrained`), and the Hub tags a trainer puts on its model (`_tag_names`, as TRL's
+trainers do; they end up in the model card).
 """
 
 from __future__ import annotations
@@ -23,6 +27,32 @@ from hf_verl.parallel.dims import ParallelDims
 logger = logging.getLogger(__name__)
 
 
+_DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def load_pretrained(model_id: str, model_init_kwargs: dict | None = None, *, trust_remote_code: bool = False,
+                    auto_class=None):
+    """`auto_class.from_pretrained(model_id, **model_init_kwargs)` with TRL's defaults: float32 unless
+    `model_init_kwargs` names a `dtype` (a `torch.dtype`, one of 'bfloat16' / 'float16' / 'float32', or
+    'auto' for the checkpoint's own), and `trust_remote_code` from the config unless given there.
+
+    Raises:
+        ValueError: an unknown `dtype` string.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(model_init_kwargs or {})  # a copy: the config's dict is not changed
+    dtype = kwargs.get("dtype", "float32")
+    if isinstance(dtype, str) and dtype in _DTYPE_NAMES:
+        kwargs["dtype"] = getattr(torch, dtype)
+    elif not (dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype)):
+        raise ValueError(f"model_init_kwargs['dtype'] must be a torch.dtype, 'auto' or one of {_DTYPE_NAMES}, "
+                         f"got {dtype!r}.")
+    kwargs.setdefault("trust_remote_code", trust_remote_code)
+    return (auto_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
+
+
 def launch_layout(num_processes: int) -> tuple[BackendSpec, ParallelDims]:
     """The run's backend (checked against the machine) and its `ParallelDims`."""
     import torch.distributed as dist
@@ -36,18 +66,30 @@ def launch_layout(num_processes: int) -> tuple[BackendSpec, ParallelDims]:
 
 
 class EngineTrainerMixin:
-    """Mixed into a `transformers.Trainer` subclass; call :meth:`_init_engines` after `Trainer.__init__`."""
+    """Mixed into a `transformers.Trainer` subclass; call :meth:`_init_engines` after `Trainer.__init__`.
+
+    A subclass names its Hub tags in `_tag_names` (TRL's attribute: e.g. `["trl", "grpo"]`); they are added
+    to the trained model (`model.model_tags`, written to the model card on save and push).
+    """
+
+    _tag_names: list[str] = []
 
     def _init_engines(self, backend: BackendSpec | None = None, dims: ParallelDims | None = None) -> None:
         if backend is None or dims is None:
             backend, dims = launch_layout(self.accelerator.num_processes)
         self.backend, self.dims = backend, dims
+        self._add_model_tags(self.model)
         # the engine lays the model out; the Trainer must not also run its own FSDP / DeepSpeed path (which
         # accelerate engages on GPU machines from the same launch config)
         self.is_fsdp_enabled = self.is_deepspeed_enabled = False
         self.actor = self._make_engine(self.model, "actor", trainable=True)
         self._engine_module = EngineModule(self.actor)
         self.model_wrapped = self._engine_module
+
+    def _add_model_tags(self, model) -> None:
+        # transformers models (and PEFT models, which forward to them) carry tags; other modules have none
+        if self._tag_names and callable(getattr(model, "add_model_tags", None)):
+            model.add_model_tags(list(self._tag_names))
 
     def _make_engine(self, model, role: str, *, trainable: bool, **kwargs) -> AccelerateEngine:
         args = self.args

@@ -79,7 +79,7 @@ class PPOTrainer(OnPolicyTrainer):
         eval_dataset, optimizers, callbacks, peft_config: as in TRL.
     """
 
-    _tag_names = ["hf_verl", "ppo"]
+    _tag_names = ["trl", "ppo", "hf_verl"]
 
     def __init__(self, args: PPOConfig | None = None, processing_class=None, model=None, ref_model=None,
                  reward_model=None, train_dataset=None, value_model=None, data_collator=None, eval_dataset=None,
