@@ -254,5 +254,5 @@ def test_rejections_name_what_to_change(tmp_path):
     with pytest.raises(ValueError, match="use_async_rollout=False"):
         GRPOTrainer(model=model, reward_funcs=reward, args=_args(tmp_path, use_async_rollout=True),
                     train_dataset=_dataset(), processing_class=tok, rollout_func=lambda prompts, trainer: {})
-    with pytest.raises(ValueError, match="no reward source"):
+    with pytest.raises(ValueError, match="No reward source provided"):
         GRPOTrainer(model=model, args=_args(tmp_path), train_dataset=_dataset(), processing_class=tok, tools=[add])

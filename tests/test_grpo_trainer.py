@@ -293,3 +293,119 @@ def test_a_round_where_every_reward_is_none_trains_on_with_zero_advantages(tmp_p
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(h["loss"] == 0.0 and h["reward"] == 0.0 for h in logs)
     assert "got None from every reward function" in caplog.text
+
+
+# ---------------------------------------------------------------------- TRL's API on the trainer
+def _trainer(tmp_path, reward_funcs=count_a, **kw):
+    tok = build_char_tokenizer()
+    ds = kw.pop("train_dataset", Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}))
+    return GRPOTrainer(model=_model(tok), reward_funcs=reward_funcs, processing_class=tok, train_dataset=ds,
+                       args=_args(tmp_path, **kw))
+
+
+def test_high_entropy_and_off_policy_masks_are_trls(tmp_path):
+    trainer = _trainer(tmp_path)
+    entropies = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1.1, 1.2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    # the 0.8-quantile of the 10 unmasked entropies (0.1 .. 1.0) is 0.82: 0.9 and 1.0 stay
+    assert trainer.get_high_entropy_mask(entropies, mask, 0.8).nonzero().tolist() == [[1, 2], [1, 3]]
+    assert torch.equal(trainer.get_high_entropy_mask(entropies, mask, 0.0), mask.bool())
+    assert not trainer.get_high_entropy_mask(entropies, torch.zeros_like(mask), 0.5).any()
+    logp = torch.zeros(3, 4)
+    logp[0], logp[1], logp[2] = -2.0, -0.5, -2.0  # mean KL from the sampler (logp 0): 2, 0.5, 2
+    keep = GRPOTrainer.get_off_policy_mask(torch.tensor([[1.0], [-1.0], [-1.0]]), logp, torch.zeros(3, 4),
+                                           torch.ones(3, 4), 1.0)
+    assert keep.tolist() == [[1.0], [1.0], [0.0]]  # dropped: negative advantage and KL above the threshold
+
+
+def test_reward_attributes_and_processing_classes_follow_trl(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = build_char_tokenizer()
+    rm = Qwen2ForSequenceClassification(Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, num_key_value_heads=1,
+                                                    vocab_size=len(tok), num_labels=1, pad_token_id=tok.pad_token_id))
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz"] * 4})
+    with pytest.raises(ValueError, match=r"reward processing classes \(1\) must match the number of reward functions"):
+        GRPOTrainer(model=_model(tok), reward_funcs=[rm, count_a], reward_processing_classes=tok,
+                    processing_class=tok, train_dataset=ds, args=_args(tmp_path))
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=[count_a, rm], reward_processing_classes=[None, tok],
+                          processing_class=tok, train_dataset=ds, args=_args(tmp_path, reward_weights=[0.5, 2.0]))
+    assert trainer.reward_processing_classes == [None, tok]
+    assert trainer.reward_func_names[0] == "count_a"
+    assert trainer.reward_weights.tolist() == [0.5, 2.0]
+    assert {"trl", "grpo"} <= set(trainer.model.model_tags)  # TRL's Hub tags, for the model card
+
+
+def test_a_model_id_loads_in_float32_unless_asked(tmp_path):
+    tok = build_char_tokenizer()
+    path = tmp_path / "policy"
+    _model(tok).to(torch.bfloat16).save_pretrained(path)
+    tok.save_pretrained(path)
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz"] * 4})
+    trainer = GRPOTrainer(model=str(path), reward_funcs=count_a, train_dataset=ds, args=_args(tmp_path / "a"))
+    assert trainer.model.dtype == torch.float32  # TRL's default, whatever the checkpoint holds
+    trainer = GRPOTrainer(model=str(path), reward_funcs=count_a, train_dataset=ds,
+                          args=_args(tmp_path / "b", model_init_kwargs={"dtype": "auto"}))
+    assert trainer.model.dtype == torch.bfloat16
+
+
+def test_a_train_dataset_is_required_without_an_environment(tmp_path):
+    tok = build_char_tokenizer()
+    with pytest.raises(ValueError, match="`train_dataset` is required unless an `environment_factory`"):
+        GRPOTrainer(model=_model(tok), reward_funcs=count_a, processing_class=tok, args=_args(tmp_path))
+
+
+def test_reward_functions_get_trainer_state_log_metric_and_log_extra(tmp_path):
+    steps = []
+
+    def shaped(completions, trainer_state, log_metric, log_extra, **kwargs):
+        steps.append(trainer_state.global_step)
+        log_metric("custom/accuracy", 0.75)
+        log_extra("first_chars", [c[:2] for c in completions])
+        return count_a(completions)
+
+    def plain(prompts, completions, completion_ids):  # no **kwargs: gets none of the extra keywords
+        return [0.0] * len(completions)
+
+    trainer = _trainer(tmp_path, reward_funcs=[shaped, plain], max_steps=2, log_completions=True)
+    trainer.train()
+    assert steps == [0, 1]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(h["custom/accuracy"] == 0.75 for h in logs)
+    rows = trainer.completion_log.rows
+    assert len(rows) == 4 and all(r["first_chars"] == r["completion"][:2] for r in rows)
+    assert list(trainer.completion_log.extra_columns) == ["first_chars"]
+
+
+def test_evaluation_reports_the_loss_and_reads_iterable_datasets(tmp_path):
+    evals = Dataset.from_dict({"prompt": ["abc", "bcd", "cde"]})
+    trainer = _trainer(tmp_path, per_device_eval_batch_size=4, num_generations_eval=2)
+    m = trainer.evaluate(evals)
+    assert torch.isfinite(torch.tensor(m["eval_loss"]))
+    streamed = trainer.evaluate(evals.to_iterable_dataset())  # no length: read once as a stream
+    assert streamed["eval_reward"] == pytest.approx(m["eval_reward"], abs=6.0) and "eval_loss" in streamed
+    both = trainer.evaluate({"a": evals, "b": evals.to_iterable_dataset()})
+    assert {"eval_a_loss", "eval_b_loss", "eval_a_reward", "eval_b_reward"} <= set(both)
+
+
+def test_an_iterable_train_dataset_trains_in_whole_groups(tmp_path):
+    import pickle
+
+    seen = []
+
+    def groups(prompts, completions, **kwargs):
+        seen.append(list(prompts))
+        return count_a(completions)
+
+    stream = Dataset.from_dict({"prompt": ["abc", "xyz", "ab", "b"] * 2}).to_iterable_dataset()
+    trainer = _trainer(tmp_path, reward_funcs=groups, train_dataset=stream, max_steps=3, dataloader_num_workers=2,
+                       shuffle_dataset=False)
+    assert trainer.args.accelerator_config.dispatch_batches is False and trainer.args.dataloader_num_workers == 0
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert seen[:2] == [["abc"] * 4, ["xyz"] * 4]  # one prompt per round of 4, groups kept whole, in order
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    pickle.dumps(trainer.data_collator)  # dataloader workers (spawn) need a picklable collator
+    with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
+        _trainer(tmp_path, train_dataset=stream, accelerator_config={"dispatch_batches": True})

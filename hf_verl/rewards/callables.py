@@ -3,18 +3,21 @@
 A reward function is called ``f(prompts=..., completions=..., completion_ids=..., **columns)``
 and returns one float (or None: "not applicable") per sample. Async functions run concurrently.
 Every result is checked here, once: a wrong length, a non-number, NaN or inf is an error naming
-the function and the sample.
+the function and the sample. A trainer also passes TRL's context keywords (`trainer_state`,
+`log_extra`, `log_metric`) through a :class:`RewardCallContext`, one per scoring call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import logging
 import math
 import numbers
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +28,62 @@ logger = logging.getLogger(__name__)
 def reward_func_name(func: Any) -> str:
     """The name used in metrics (`rewards/<name>/mean`)."""
     return getattr(func, "__name__", None) or type(func).__name__
+
+
+class RewardCallContext:
+    """The keywords TRL gives every reward function besides the dataset columns, for one scoring call.
+
+    `trainer_state` (the `transformers.TrainerState`, for rewards shaped by training progress),
+    `log_extra(column, values)` (one value per sample, a column of the completions table) and
+    `log_metric(name, value)` (a scalar, averaged into the next training log). What the functions log is
+    kept here, so that a rollout scored in a background thread keeps its logs apart from the others; the
+    trainer collects it when it uses the rollout.
+
+    Args:
+        trainer_state (*optional*): passed as `trainer_state`.
+    """
+
+    KEYWORDS = ("trainer_state", "log_extra", "log_metric")
+
+    def __init__(self, trainer_state: Any = None) -> None:
+        self.trainer_state = trainer_state
+        self.extra: dict[str, list] = defaultdict(list)
+        self.metrics: dict[str, list[float]] = defaultdict(list)
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        """Add `values` (one per sample of the call) to the completions table's column `column`."""
+        self.extra[column].extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """Log a scalar `name`; the values of a logging interval are averaged."""
+        self.metrics[name].append(float(value))
+
+    def bind(self, reward_funcs: Sequence[Any]) -> list:
+        """`reward_funcs` with these keywords added to every call; a function receives the ones its signature
+        accepts (all of them with `**kwargs`, as TRL's convention asks)."""
+        values = {"trainer_state": self.trainer_state, "log_extra": self.log_extra, "log_metric": self.log_metric}
+        out = []
+        for func in reward_funcs:
+            accepted = {k: v for k, v in values.items() if _accepts(func, k)}
+            out.append(_with_keywords(func, accepted) if accepted else func)
+        return out
+
+
+def _accepts(func: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # no signature (some builtins): pass nothing extra
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.POSITIONAL_ONLY) for p in params)
+
+
+def _with_keywords(func: Callable, keywords: dict) -> Callable:
+    def call(*args, **kwargs):
+        return func(*args, **{**keywords, **kwargs})  # an async function's coroutine is awaited by the caller
+
+    functools.update_wrapper(call, func, updated=())
+    call.__name__ = reward_func_name(func)  # a callable object has no __name__ of its own to copy
+    return call
 
 
 def _run_coroutines(coros: list) -> list:

@@ -71,6 +71,17 @@ class RewardModelScorer:
             self._load()
         return self._model
 
+    @property
+    def tokenizer(self) -> Any:
+        """The reward model's tokenizer: the one given, else its own (loaded on first use, without the model)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            src = self._source if isinstance(self._source, str) else self._model.config._name_or_path
+            check_resolvable("reward", src)
+            self._tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=self._trust_remote_code)
+        return self._tokenizer
+
     def place(self, forward: Callable[..., Any]) -> None:
         """Run the model through `forward(**encoded) -> outputs` (a sharded engine's) instead of directly."""
         self._forward = forward
@@ -121,6 +132,23 @@ class RewardModelScorer:
             out = (self._forward or self._model)(**enc)
             scores.extend(out.logits[:, 0].float().tolist())
         return scores
+
+
+def align_processing_classes(num_reward_funcs: int, processing_classes: Any) -> list:
+    """TRL's `reward_processing_classes`: None (every reward model's own tokenizer), one tokenizer (a list of
+    one), or a list aligned with the reward functions (None entries for functions and for reward models that
+    use their own).
+
+    Raises:
+        ValueError: the list's length differs from the number of reward functions.
+    """
+    if processing_classes is None:
+        return [None] * num_reward_funcs
+    classes = list(processing_classes) if isinstance(processing_classes, (list, tuple)) else [processing_classes]
+    if len(classes) != num_reward_funcs:
+        raise ValueError(f"The number of reward processing classes ({len(classes)}) must match the number of reward "
+                         f"functions ({num_reward_funcs}).")
+    return classes
 
 
 def resolve_reward_sources(sources: Any, processing_classes: Any = None, *, defer_checks: bool = False) -> list:

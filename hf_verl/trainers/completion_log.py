@@ -37,17 +37,28 @@ class CompletionLog:
         self.rows: list[dict] = []
         self._rng = random.Random(seed)
 
-    def record(self, prompts: list, completions: list, rewards_per_func, advantages) -> None:
+    def record(self, prompts: list, completions: list, rewards_per_func, advantages,
+               extra: dict[str, list] | None = None) -> None:
         """Keep one round's rows (already gathered from every rank); `rewards_per_func` `(N, K)`, `advantages`
-        `(N,)` or `(N, T)` (the first token's value is logged)."""
+        `(N,)` or `(N, T)` (the first token's value is logged); `extra`: more columns, one value per row (the
+        reward functions' `log_extra`)."""
         if not self.enabled:
             return
         rewards = rewards_per_func.tolist()
         adv = advantages if advantages.dim() == 1 else advantages[:, 0]
+        extra = extra or {}
         self.rows = [
-            {"prompt": _text(p), "completion": _text(c), **dict(zip(self.reward_names, r)), "advantage": float(a)}
-            for p, c, r, a in zip(prompts, completions, rewards, adv.tolist())
+            {"prompt": _text(p), "completion": _text(c), **dict(zip(self.reward_names, r)), "advantage": float(a),
+             **{k: v[i] for k, v in extra.items()}}
+            for i, (p, c, r, a) in enumerate(zip(prompts, completions, rewards, adv.tolist()))
         ]
+
+    @property
+    def extra_columns(self) -> dict[str, list]:
+        """The `log_extra` columns of the kept rows."""
+        fixed = {"prompt", "completion", "advantage", *self.reward_names}
+        names = [k for k in (self.rows[0] if self.rows else {}) if k not in fixed]
+        return {k: [row[k] for row in self.rows] for k in names}
 
     def sample(self) -> list[dict]:
         """The rows to show: unique prompts first when asked, then `num_completions_to_print` of them."""

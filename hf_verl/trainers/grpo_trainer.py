@@ -14,15 +14,18 @@ import logging
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from hf_verl.algorithms.advantages import gdpo_advantages, grpo_advantages
+from hf_verl.algorithms.policy_losses import entropy_quantile, high_entropy_mask, off_policy_sequence_mask
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.model_options import cast_lm_head_to_fp32, router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline import losses, phases
 from hf_verl.pipeline.tool_rollout import ToolRollout
 from hf_verl.rewards.callables import combine_rewards
+from hf_verl.rewards.reward_model import align_processing_classes
+from hf_verl.trainers.engine_glue import load_pretrained
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.on_policy import OnPolicyTrainer
 from hf_verl.trainers.policy_control import EntropyController, ReferenceMixCallback
@@ -59,7 +62,7 @@ class GRPOTrainer(OnPolicyTrainer):
             functions receive the instances as `environments=`.
     """
 
-    _tag_names = ["hf_verl", "grpo"]
+    _tag_names = ["trl", "grpo", "hf_verl"]
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None,
@@ -69,9 +72,10 @@ class GRPOTrainer(OnPolicyTrainer):
             name = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         if isinstance(model, str):
-            init_kwargs = dict(args.model_init_kwargs or {})
-            init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+            model = load_pretrained(model, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
+        funcs = [] if reward_funcs is None else (
+            list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+        reward_processing_classes = align_processing_classes(len(funcs), reward_processing_classes)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
                                                              trust_remote_code=args.trust_remote_code)
@@ -88,8 +92,9 @@ class GRPOTrainer(OnPolicyTrainer):
         if args.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {args.vllm_mode!r}.")
         tool_rollout, reward_funcs, reward_processing_classes, args = self._tool_setup(
-            args, tools, environment_factory, rollout_func, reward_funcs, reward_processing_classes, processing_class,
+            args, tools, environment_factory, rollout_func, funcs or None, reward_processing_classes, processing_class,
             train_dataset)
+        train_dataset = self._environment_owned_data(args, train_dataset, environment_factory)
         super().__init__(model=model, args=args, reward_funcs=reward_funcs,
                          reward_processing_classes=reward_processing_classes, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -128,8 +133,8 @@ class GRPOTrainer(OnPolicyTrainer):
                                  "trains; set use_async_rollout=False.")
         if not tools and environment_factory is None:
             if reward_funcs is None:
-                raise ValueError("no reward source: pass reward_funcs, or an environment_factory whose environment "
-                                 "defines a get_reward method.")
+                raise ValueError("No reward source provided: pass reward_funcs, or an environment_factory whose "
+                                 "environment defines a get_reward method.")
             return None, reward_funcs, reward_processing_classes, args
         if args.advantage_estimator == "remax":
             raise ValueError("advantage_estimator='remax' with tools / environment_factory is not supported: its "
@@ -147,17 +152,70 @@ class GRPOTrainer(OnPolicyTrainer):
             funcs = [] if reward_funcs is None else (
                 list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
             reward_funcs = funcs + env_rewards
-            if isinstance(reward_processing_classes, (list, tuple)):
-                reward_processing_classes = list(reward_processing_classes) + [None] * len(env_rewards)
+            reward_processing_classes = list(reward_processing_classes) + [None] * len(env_rewards)
             if args.reward_weights is not None:
                 args = copy.copy(args)
                 args.reward_weights = list(args.reward_weights) + [1.0] * len(env_rewards)
         elif reward_funcs is None:
-            raise ValueError("no reward source: pass reward_funcs, or give the environment a get_reward method.")
+            raise ValueError("No reward source provided: pass reward_funcs, or give the environment a get_reward "
+                             "method.")
         return tool_rollout, reward_funcs, reward_processing_classes, args
+
+    @staticmethod
+    def _environment_owned_data(args: GRPOConfig, train_dataset, environment_factory):
+        """TRL: without a `train_dataset`, a single environment owns the data (its `reset()` returns the prompt)
+        and `max_steps` sets the length; the rounds then draw from a placeholder of empty user prompts."""
+        if train_dataset is not None:
+            return train_dataset
+        if environment_factory is None:
+            raise ValueError("`train_dataset` is required unless an `environment_factory` is provided.")
+        if isinstance(environment_factory, dict):
+            raise ValueError("A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with "
+                             "an `environment` column to route each example to its environment. Provide a dataset, "
+                             "or pass a single environment factory.")
+        if args.max_steps <= 0:
+            raise ValueError("When training without a `train_dataset` (the environment owns the data and returns the "
+                             "prompt from `reset()`), `max_steps` must be set to a positive value to define the "
+                             "training length. Set it via `GRPOConfig(max_steps=...)`.")
+        from datasets import Dataset
+
+        rows = args.generation_batch_size // args.num_generations
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
 
     def _max_new_tokens(self) -> int:
         return self.args.max_completion_length
+
+    # ------------------------------------------------------------------ TRL's public helpers
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        """One weight per reward function (TRL's attribute): `reward_weights`, else all 1."""
+        if self.args.reward_weights is not None:
+            return torch.tensor(self.args.reward_weights, dtype=torch.float32)
+        return torch.ones(len(self.reward_funcs), dtype=torch.float32)
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's: the tokens of `mask` whose entropy is at least the `threshold`-quantile of the masked entropies
+        of every process (`threshold` = 1 - `top_entropy_quantile`); all False when no token is masked in.
+
+        Args:
+            entropies (`torch.Tensor`): `(B, T)` per-token entropies.
+            mask (`torch.Tensor`): `(B, T)`, 1 on the tokens that count.
+            threshold (`float`): the quantile, in [0, 1].
+        """
+        local = entropies[mask.bool()].float()
+        pad = -1e9  # entropies are >= 0, so the padding cannot be mistaken for one
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=pad))
+        return high_entropy_mask(entropies, mask, entropy_quantile(gathered[gathered != pad], threshold))
+
+    @staticmethod
+    def get_off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor,
+                            sampling_per_token_logps: torch.Tensor, mask: torch.Tensor,
+                            off_policy_threshold: float) -> torch.Tensor:
+        """TRL's off-policy sequence mask (DeepSeek-V3.2): `(B, 1)`, 1 to keep a sequence (advantage >= 0, or a
+        mean KL from the sampling policy over its tokens of at most `off_policy_threshold`), 0 to drop it."""
+        keep = off_policy_sequence_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                        off_policy_threshold)
+        return keep.to(mask.dtype)
 
     # ------------------------------------------------------------------ round
     def _finish_round(self, batch: RolloutBatch, rows, rewards_per_func, timings) -> list[RolloutBatch]:
@@ -210,9 +268,15 @@ class GRPOTrainer(OnPolicyTrainer):
             adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages[:, 0]
             self.completion_log.record(comm.gather_objects(dims, batch.meta["prompts"]),
                                        comm.gather_objects(dims, batch.meta["completions"]), all_per_func,
-                                       comm.gather_rows(dims, adv))
+                                       comm.gather_rows(dims, adv), self._gathered_log_extra(batch))
         self._log_common(batch, timings)
         return micro
+
+    def _gathered_log_extra(self, batch: RolloutBatch) -> dict[str, list]:
+        """The reward functions' `log_extra` columns over every rank's rows (None where a rank logged none)."""
+        local = batch.meta.get("log_extra") or {}
+        names = sorted({name for names in comm.gather_objects(self.dims, [sorted(local)]) for name in names})
+        return {name: comm.gather_objects(self.dims, local.get(name, [None] * batch.batch_size)) for name in names}
 
     def _log_rewards(self, rewards_per_func, rewards, group_std) -> None:
         """Reward metrics over the global round (gathered)."""
@@ -226,11 +290,13 @@ class GRPOTrainer(OnPolicyTrainer):
             m[f"rewards/{name}/std"].append(col[~col.isnan()].std().item() if (~col.isnan()).sum() > 1 else 0.0)
 
     # ------------------------------------------------------------------ loss
-    def _micro_batch_losses(self, batch: RolloutBatch) -> list[tuple]:
-        args, m = self.args, self._metrics
+    def _policy_loss(self, batch: RolloutBatch, entropy_threshold=None):
+        """`(loss, stats, entropy, aux_loss)` of a micro-batch; `entropy_threshold(entropy)` gives the
+        top-entropy threshold (default: over every rank's tokens)."""
+        args = self.args
         out = self._token_logprobs(batch, with_entropy=True, with_aux_loss=self.aux_loss_enabled)
         logp, entropy = out[0], out[1]
-        threshold = self._entropy_threshold(entropy, batch)
+        threshold = (entropy_threshold or (lambda e: self._entropy_threshold(e, batch)))(entropy)
         control = self.entropy_control
         loss, stats = losses.policy_loss(
             logp, batch, loss=self._loss_form, params=self._loss_params, loss_type=args.loss_type,
@@ -239,6 +305,14 @@ class GRPOTrainer(OnPolicyTrainer):
             entropy_coef=control.applied_coef() if control else 0.0,
             entropy_normalizer=batch.meta.get("token_normalizer"), entropy_threshold=threshold,
             off_policy_threshold=args.off_policy_mask_threshold)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * out[2]
+        return loss, stats, entropy, out[2] if self.aux_loss_enabled else None
+
+    def _micro_batch_losses(self, batch: RolloutBatch) -> list[tuple]:
+        args, m = self.args, self._metrics
+        loss, stats, entropy, aux_loss = self._policy_loss(batch)
+        control = self.entropy_control
         if args.beta > 0:
             m["kl"].append(stats["kl"].item())
         m["entropy"].append(stats["entropy"].item())
@@ -252,10 +326,30 @@ class GRPOTrainer(OnPolicyTrainer):
         if control is not None:
             m["policy_loss"].append(stats["policy"].item())
             control.observe(entropy.detach(), batch.completion_mask, self.dims)
-        if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * out[2]
-            m["aux_loss"].append(out[2].item())
+        if aux_loss is not None:
+            m["aux_loss"].append(aux_loss.item())
         return [(self.actor, loss)]
+
+    @torch.no_grad()
+    def _eval_loss(self, batch: RolloutBatch, rewards_per_func: torch.Tensor, group_size: int) -> float:
+        """The GRPO loss on an evaluation batch at the current policy (TRL's `eval_loss`): advantages normalised
+        within each of its groups (GDPO's per reward with `normalize_then_sum`), the KL to the reference when
+        beta > 0, the batch's own token count as the normaliser; nothing is gathered across ranks."""
+        args = self.args
+        per_func = rewards_per_func.to(batch.device)
+        if args.mask_truncated_completions:
+            batch.completion_mask = batch.completion_mask * (~batch.is_truncated).long().unsqueeze(1)
+        if args.multi_objective_aggregation == "normalize_then_sum":
+            batch.advantages, _ = gdpo_advantages(per_func, group_size, args.reward_weights)
+        else:
+            batch.advantages, _ = grpo_advantages(combine_rewards(per_func, args.reward_weights), group_size,
+                                                  args.scale_rewards)
+        if args.beta > 0:
+            batch.ref_logprobs = self._reference_logprobs(batch)
+        q = args.top_entropy_quantile
+        local_threshold = (lambda e: None if q >= 1.0 else entropy_quantile(e[batch.completion_mask.bool()], 1.0 - q))
+        loss, *_ = self._policy_loss(batch, entropy_threshold=local_threshold)
+        return loss.item()
 
     def _optimizer_step_done(self) -> None:
         if self.entropy_control is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import time
 from collections import defaultdict
@@ -46,8 +47,8 @@ from hf_verl.pipeline.tool_rollout import (
     tool_frequencies,
     tool_metrics,
 )
-from hf_verl.rewards.callables import combine_rewards, reward_func_name
-from hf_verl.rewards.reward_model import resolve_reward_sources
+from hf_verl.rewards.callables import RewardCallContext, combine_rewards, reward_func_name
+from hf_verl.rewards.reward_model import RewardModelScorer, resolve_reward_sources
 from hf_verl.rollout.base import RolloutEngine, SamplingParams, apply_generation_kwargs
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.trainers.completion_log import CompletionLog
@@ -55,6 +56,41 @@ from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
 from hf_verl.trainers.vllm_args import colocate_max_model_len
 
 logger = logging.getLogger(__name__)
+
+
+def _rows(rows: list[dict]) -> list[dict]:
+    """The collator: a batch is the list of its rows (module level, so dataloader workers can pickle it)."""
+    return rows
+
+
+def _is_iterable(dataset) -> bool:
+    """A dataset read as a stream, without length or indexing (datasets' `IterableDataset`, a torch one)."""
+    return isinstance(dataset, torch.utils.data.IterableDataset)
+
+
+class _GroupRounds(torch.utils.data.IterableDataset):
+    """An iterable dataset laid out as :class:`~hf_verl.data.samplers.RepeatGroupSampler` lays out a map-style
+    one: each round reads the next `prompts_per_round` rows of `source`, repeats each `num_generations` times,
+    cuts the round into `world_size` chunks of `chunk_size` and yields the chunks `repeat` times (accelerate
+    then hands batch `k` to process `k % world_size`). A trailing partial round is dropped."""
+
+    def __init__(self, source, num_generations: int, chunk_size: int, world_size: int, repeat: int) -> None:
+        self.source, self.num_generations = source, num_generations
+        self.chunk_size, self.world_size, self.repeat = chunk_size, world_size, repeat
+
+    def set_epoch(self, epoch: int) -> None:
+        if callable(getattr(self.source, "set_epoch", None)):  # reshuffles a shuffled stream
+            self.source.set_epoch(epoch)
+
+    def __iter__(self):
+        rows = iter(self.source)
+        per_round = self.chunk_size * self.world_size // self.num_generations
+        while len(prompts := list(itertools.islice(rows, per_round))) == per_round:
+            completions = [row for row in prompts for _ in range(self.num_generations)]
+            chunks = [completions[p * self.chunk_size:(p + 1) * self.chunk_size] for p in range(self.world_size)]
+            for _ in range(self.repeat):
+                for chunk in chunks:
+                    yield from chunk
 
 
 class OnPolicyTrainer(EngineTrainerMixin, Trainer):
@@ -85,7 +121,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         # a sharded actor cannot generate (each rank holds a shard): the engine gets a replica, made
         # before sharding and kept in step by bucketed weight sync
         replica = frozen_copy(model) if backend.partitions_parameters else None
-        super().__init__(model=model, args=args, data_collator=lambda rows: rows, train_dataset=train_dataset,
+        self._check_iterable_datasets(args, train_dataset, eval_dataset)
+        super().__init__(model=model, args=args, data_collator=_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers)
         device = self.args.device
@@ -115,6 +152,28 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         if getattr(args, "use_vllm", False):
             self.engine = self._vllm_engine(args, processing_class)
 
+    @staticmethod
+    def _check_iterable_datasets(args, train_dataset, eval_dataset) -> None:
+        """Iterable (streaming) datasets, as TRL takes them: each process reads its own slice of the stream,
+        so accelerate must not dispatch batches from the main process (`dispatch_batches=False`, set here);
+        the training stream holds the groups in order, so it is read by one dataloader worker."""
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        if not any(_is_iterable(ds) for ds in (train_dataset, *evals)):
+            return
+        if args.accelerator_config.dispatch_batches:
+            raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
+                             "`accelerator_config`. Please set it to `False`.")
+        args.accelerator_config.dispatch_batches = False
+        if not _is_iterable(train_dataset):
+            return
+        if args.dataloader_num_workers != 0:
+            logger.warning("Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; "
+                           "overriding the provided value (%d).", args.dataloader_num_workers)
+            args.dataloader_num_workers = 0
+        if getattr(args, "use_async_rollout", False):
+            raise ValueError("use_async_rollout=True needs a map-style train_dataset (the next round's prompts are "
+                             "read ahead by index); load the dataset without streaming, or set use_async_rollout=False.")
+
     def _vllm_engine(self, args, processing_class) -> RolloutEngine:
         """`use_vllm=True`: in-process vLLM (colocate) or a remote OpenAI-compatible server."""
         if args.vllm_mode == "colocate":
@@ -138,6 +197,18 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
 
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         return RemoteEngine(url, token=os.environ.get(TOKEN_ENV), timeout_s=args.vllm_server_timeout)
+
+    # ------------------------------------------------------------------ TRL's reward attributes
+    @property
+    def reward_func_names(self) -> list[str]:
+        """The reward sources' names, as in the `rewards/<name>/...` metrics."""
+        return self.reward_names
+
+    @property
+    def reward_processing_classes(self) -> list:
+        """One entry per reward source: a reward model's tokenizer (the one given, else its own), None for a
+        reward function."""
+        return [f.tokenizer if isinstance(f, RewardModelScorer) else None for f in self.reward_funcs]
 
     # ------------------------------------------------------------------ data
     def _sampling_params(self) -> SamplingParams:
@@ -165,8 +236,15 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         """One batch per micro-step, each holding this process's whole round."""
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__} needs a train_dataset with a 'prompt' column.")
+        dataset = self.train_dataset
+        if _is_iterable(dataset):  # no sampler can index it: the stream itself is laid out in rounds
+            a = self.args
+            if a.shuffle_dataset and callable(getattr(dataset, "shuffle", None)):
+                dataset = dataset.shuffle(seed=a.seed)  # a buffered shuffle, reseeded each epoch
+            dataset = _GroupRounds(dataset, a.num_generations, a.per_device_train_batch_size * a.steps_per_generation,
+                                   self.dims.dp_size, a.steps_per_generation * a.num_iterations)
         return self._get_dataloader(
-            dataset=self.train_dataset, description="Training",
+            dataset=dataset, description="Training",
             batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
             sampler_fn=self._get_train_sampler, is_training=True,
         )
@@ -218,13 +296,15 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         t0 = time.perf_counter()
         columns = generation.row_columns(rows)
         device = self.args.device
+        context = RewardCallContext(self.state)  # what the reward functions log in this call
+        reward_funcs = context.bind(self.reward_funcs)
         if self.rollout_func is not None:
-            batch, rewards_per_func, timings = self._custom_rollout(rows, engine, columns)
+            batch, rewards_per_func, timings = self._custom_rollout(rows, engine, columns, reward_funcs)
             return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func, "num_truncated": 0,
-                    "timings": timings}
+                    "timings": timings, "reward_context": context}
         if self._tool_rollout is not None:
             result = self._tool_rollout.generate_and_score(
-                engine, rows, self.processing_class, self._sampling_params(), self.reward_funcs, columns,
+                engine, rows, self.processing_class, self._sampling_params(), reward_funcs, columns,
                 device=device, row_seeds=row_seeds, max_prompt_length=self._prompt_limit,
                 chat_template_kwargs=getattr(self.args, "chat_template_kwargs", None),
                 max_context_length=engine_context_length(engine))
@@ -232,24 +312,24 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                                                  self.processing_class.pad_token_id)
             return {"rows": rows, "batch": batch, "rewards_per_func": result.rewards_per_func,
                     "num_truncated": result.num_truncated,
-                    "timings": {"generate": result.generate_s, "reward": result.reward_s}}
+                    "timings": {"generate": result.generate_s, "reward": result.reward_s}, "reward_context": context}
         tok, prompts = self._tokenize_rows(rows)
         if hasattr(engine, "generate_stream") and row_seeds is None:  # a server: score requests as they finish
             batch, rewards_per_func, reward_s = generation.generate_scoring_as_done(
                 engine, tok.ids, prompts, self._sampling_params(), self.processing_class, device,
-                self.reward_funcs, columns, getattr(self.args, "num_generations", 1))
+                reward_funcs, columns, getattr(self.args, "num_generations", 1))
             timings = {"generate": time.perf_counter() - t0 - reward_s, "reward": reward_s}
         else:
             batch = generation.generate(engine, tok.ids, prompts, self._sampling_params(), self.processing_class,
                                         device, row_seeds=row_seeds)
             t1 = time.perf_counter()
-            rewards_per_func = generation.score(self.reward_funcs, batch, columns)
+            rewards_per_func = generation.score(reward_funcs, batch, columns)
             timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}
         batch = batch.pad_to_multiple(getattr(self.args, "pad_to_multiple_of", None), self.processing_class.pad_token_id)
         return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func,
-                "num_truncated": tok.num_truncated, "timings": timings}
+                "num_truncated": tok.num_truncated, "timings": timings, "reward_context": context}
 
-    def _custom_rollout(self, rows: list[dict], engine: RolloutEngine, columns: dict[str, list]):
+    def _custom_rollout(self, rows: list[dict], engine: RolloutEngine, columns: dict[str, list], reward_funcs: list):
         """TRL's `rollout_func(prompts, trainer)`: its output becomes the batch, its extra fields reward columns."""
         t0 = time.perf_counter()
         prompts = [r.get("prompt") for r in rows]
@@ -259,16 +339,30 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         batch = batch.pad_to_multiple(getattr(self.args, "pad_to_multiple_of", None),
                                       self.processing_class.pad_token_id)
         t1 = time.perf_counter()
-        rewards_per_func = generation.score(self.reward_funcs, batch, {**columns, **extra})
+        rewards_per_func = generation.score(reward_funcs, batch, {**columns, **extra})
         return batch, rewards_per_func, {"generate": t1 - t0, "reward": time.perf_counter() - t1}
 
     def _finish_collected(self, c: dict) -> list[RolloutBatch]:
         self._metrics["prompts/truncated_ratio"].append(c["num_truncated"] / c["batch"].batch_size)
+        self._take_reward_logs(c["reward_context"], c["batch"])
         counts = tool_metrics(c["batch"])
         if counts is not None:  # TRL's tool metrics, over every rank's rows
             for key, value in tool_frequencies(comm.reduce(self.dims, counts, "sum")).items():
                 self._metrics[key].append(value)
         return self._finish_round(c["batch"], c["rows"], c["rewards_per_func"], c["timings"])
+
+    def _take_reward_logs(self, context: RewardCallContext, batch: RolloutBatch, prefix: str = "") -> None:
+        """The reward functions' `log_metric` values join the metrics of the next log; their `log_extra` columns
+        (padded with None to one value per row) ride on the batch to the completions table."""
+        for name, values in context.metrics.items():
+            self._metrics[f"{prefix}{name}"].extend(values)
+        extra = {}
+        for column, values in context.extra.items():
+            if len(values) > batch.batch_size:
+                raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for {batch.batch_size} "
+                                 "completions: give one value per completion of the call.")
+            extra[column] = list(values) + [None] * (batch.batch_size - len(values))
+        batch.meta["log_extra"] = extra
 
     # ------------------------------------------------------------------ asynchronous rollout
     def _async_rollout_round(self, rows: list[dict]) -> list[RolloutBatch]:
@@ -415,11 +509,30 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
     def _eval_generations(self) -> int:
         """Completions per evaluation prompt (GRPO: `num_generations_eval`, else `num_generations`)."""
         return 1
+
+    def _eval_loss(self, batch: RolloutBatch, rewards_per_func: torch.Tensor, group_size: int) -> float | None:
+        """The training loss on one evaluation batch (whole groups of `group_size` rows); None: not reported."""
+        return None
+
+    def _eval_batches(self, dataset, prompts_per_batch: int):
+        """This rank's evaluation prompts in batches: a map-style dataset split in contiguous shards, an iterable
+        one (no length) read row by row, every data-parallel rank taking every `dp_size`-th row."""
+        dims = self.dims
+        if _is_iterable(dataset):
+            rows = itertools.islice(iter(dataset), dims.dp_rank, None, dims.dp_size)
+        else:
+            shard = dataset.shard(num_shards=dims.dp_size, index=dims.dp_rank, contiguous=True)
+            rows = (shard[i] for i in range(len(shard)))
+        while batch := list(itertools.islice(rows, prompts_per_batch)):
+            yield batch
+
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Roll out `_eval_generations()` completions per evaluation prompt with the training sampling settings
-        and report the mean rewards (`<prefix>_reward`, `<prefix>_rewards/<func>/mean`) and completion
-        length; prompts are split across data-parallel ranks and the sums reduced."""
+        and report the mean rewards (`<prefix>_reward`, `<prefix>_rewards/<func>/mean`), completion length, the
+        reward functions' `log_metric` values and the training loss on those rollouts (`<prefix>_loss`, where the
+        algorithm defines one); prompts are split across data-parallel ranks and the sums reduced. A dict of
+        datasets is evaluated per entry (`<prefix>_<name>_...`); iterable (streaming) datasets are read once."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (pass one here or to the trainer).")
@@ -431,31 +544,67 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         from tqdm.auto import tqdm
 
         self._sync_engine()
+        for engine in self._trained_engines():
+            engine.train(False)  # no dropout in the evaluation loss (training_step sets train mode back)
         dims = self.dims
-        shard = dataset.shard(num_shards=dims.dp_size, index=dims.dp_rank, contiguous=True)
         repeats = self._eval_generations()
         size = max(self.args.per_device_eval_batch_size // repeats, 1)  # prompts per batch
         n_funcs = len(self.reward_funcs)
-        # sums: combined reward, completion tokens, rows, then per function (sum, count of non-None)
-        totals = torch.zeros(3 + 2 * n_funcs, dtype=torch.float64)
-        for start in tqdm(range(0, len(shard), size), desc="Evaluating", disable=not self.is_local_process_zero()):
-            rows = [shard[i] for i in range(start, min(start + size, len(shard))) for _ in range(repeats)]
+        # sums: combined reward, completion tokens, rows, loss x rows, rows with a loss, then per function
+        # (sum, count of non-None)
+        totals = torch.zeros(5 + 2 * n_funcs, dtype=torch.float64)
+        logged: dict[str, list[float]] = defaultdict(list)
+        batches = self._eval_batches(dataset, size)
+        # every rank runs as many batches as the busiest one (a forward may be a collective): a rank out of
+        # prompts evaluates its first batch again and leaves it out of the sums
+        first, done = None, False
+        progress = tqdm(desc="Evaluating", disable=not self.is_local_process_zero())
+        while True:
+            prompts = None if done else next(batches, None)
+            done = prompts is None
+            if not bool(comm.reduce(dims, torch.tensor([0.0 if done else 1.0]), "max").item()):
+                break
+            counted = not done
+            prompts = prompts if counted else first
+            first = first or prompts
+            if prompts is None:  # this rank had no prompt at all: nothing to run alongside the others
+                continue
+            rows = [row for row in prompts for _ in range(repeats)]
             collected = self._collect(rows, self.engine)  # the training rollout path (tools, rollout_func)
             batch, per_func = collected["batch"], collected["rewards_per_func"].double().cpu()
+            loss = self._eval_loss(batch, collected["rewards_per_func"], repeats)
+            if not counted:
+                continue
             combined = combine_rewards(per_func, self.args.reward_weights)
             totals[0] += combined.sum()
             totals[1] += batch.completion_mask.sum().item()
             totals[2] += len(rows)
+            if loss is not None:
+                totals[3] += loss * len(rows)
+                totals[4] += len(rows)
             valid = ~per_func.isnan()
-            totals[3::2] += torch.where(valid, per_func, 0.0).sum(0)
-            totals[4::2] += valid.sum(0)
+            totals[5::2] += torch.where(valid, per_func, 0.0).sum(0)
+            totals[6::2] += valid.sum(0)
+            for name, values in collected["reward_context"].metrics.items():
+                logged[name].extend(values)
+            progress.update(1)
+        progress.close()
         totals = comm.reduce(dims, totals, "sum")
         rows_seen = max(totals[2].item(), 1.0)
         metrics = {f"{metric_key_prefix}_reward": totals[0].item() / rows_seen,
                    f"{metric_key_prefix}_completions/mean_length": totals[1].item() / rows_seen}
+        if totals[4].item() > 0:
+            metrics[f"{metric_key_prefix}_loss"] = totals[3].item() / totals[4].item()
         for i, name in enumerate(self.reward_names):
-            count = totals[4 + 2 * i].item()
-            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = totals[3 + 2 * i].item() / count if count else float("nan")
+            count = totals[6 + 2 * i].item()
+            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = totals[5 + 2 * i].item() / count if count else float("nan")
+        names = sorted({n for part in comm.gather_objects(dims, [sorted(logged)]) for n in part})
+        if names:  # log_metric values: mean over every rank's values
+            sums = torch.tensor([[sum(logged[n]), len(logged[n])] for n in names], dtype=torch.float64)
+            sums = comm.reduce(dims, sums, "sum")
+            for n, (total, count) in zip(names, sums.tolist()):
+                if count:
+                    metrics[f"{metric_key_prefix}_{n}"] = total / count
         Trainer.log(self, metrics)  # not self.log: the training metrics buffer stays for the next train log
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
