@@ -409,3 +409,55 @@ def test_an_iterable_train_dataset_trains_in_whole_groups(tmp_path):
     pickle.dumps(trainer.data_collator)  # dataloader workers (spawn) need a picklable collator
     with pytest.raises(ValueError, match="Iterable datasets require `dispatch_batches=False`"):
         _trainer(tmp_path, train_dataset=stream, accelerator_config={"dispatch_batches": True})
+
+
+def test_a_model_with_its_own_generate_decodes_with_it(tmp_path):
+    """The lean decode loop reimplements transformers' generate only: a generate set on the model (custom code,
+    a patch) is called, and bare ids it returns are scored by a teacher-forced forward."""
+    from unittest.mock import patch
+
+    trainer = _trainer(tmp_path, max_steps=1, max_completion_length=4)
+    tok = trainer.processing_class
+    fixed = tok("aaa", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    def fake_generate(input_ids, **kwargs):
+        return torch.cat([input_ids, torch.tensor([fixed] * input_ids.shape[0])], dim=-1)
+
+    with patch.object(trainer.model, "generate", side_effect=fake_generate) as mock:
+        trainer.train()
+    assert mock.called
+    log = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert log["rewards/count_a/mean"] == 3.0 and log["completions/mean_length"] == 4.0
+    from hf_verl.rollout.base import SamplingParams
+
+    with patch.object(trainer.model, "generate", side_effect=fake_generate):
+        scored = trainer.engine.generate([tok("abc")["input_ids"]], SamplingParams(max_new_tokens=4, temperature=0.7))
+    ids = torch.tensor([tok("abc")["input_ids"] + fixed])
+    with torch.no_grad():
+        ref = torch.log_softmax(trainer.model(ids).logits[0, -5:-1] / 0.7, -1).gather(-1, ids[0, -4:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(scored.logprobs[0]), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_hybrid_cache_that_cannot_repeat_rows_is_prefilled_per_row(char_tokenizer):
+    """Hybrid Mamba / attention models (NemotronH) have cache layers without `batch_select_indices`: the
+    one-prefill-per-distinct-prompt shortcut steps aside and decoding matches `generate`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_verl.rollout.base import SamplingParams
+    from hf_verl.rollout.hf_engine import TransformersEngine
+
+    tok = char_tokenizer
+    cfg = AutoConfig.for_model(
+        "nemotron_h", vocab_size=len(tok), hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+        layers_block_type=["mamba", "attention", "moe"], num_hidden_layers=3, mamba_num_heads=8, mamba_head_dim=4,
+        mamba_n_groups=1, ssm_state_size=16, mamba_d_conv=4, mamba_expand=2, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    prompts = [tok("abc")["input_ids"]] * 2 + [tok("xy")["input_ids"]] * 2  # repeated prompts, as in GRPO groups
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
+    engine = TransformersEngine(model, tok)
+    lean = engine.generate(prompts, greedy)
+    assert not engine._dedup_prefill
+    assert lean.completion_ids == TransformersEngine(model, tok, use_generate=True).generate(prompts, greedy).completion_ids

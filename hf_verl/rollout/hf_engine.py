@@ -7,8 +7,11 @@ for tests.
 
 Two decode paths. By default a lean KV-cached loop (left-padded prefill, then one forward per
 token with :mod:`hf_verl.rollout.sampling` picking tokens), which avoids ``generate``'s per-token
-logits-processor, stopping-criteria and bookkeeping overhead that dominates for small models.
-``model.generate`` is used when stop strings are set, or always with ``use_generate=True``.
+logits-processor, stopping-criteria and bookkeeping overhead that dominates for small models. The
+loop reimplements transformers' ``GenerationMixin.generate`` only, so ``model.generate`` is used
+when the model has a ``generate`` of its own (custom code from the Hub, a subclass, one set on the
+instance), when stop strings are set, or always with ``use_generate=True``; a ``generate`` that
+returns bare token ids (no logits) gets its log-probs from one teacher-forced forward.
 
 Log-probs follow the convention of :mod:`hf_verl.rollout.base`: each sampled token's
 log-probability under ``log_softmax(raw_logits / temperature)`` (temperature 1 for greedy), computed
@@ -33,6 +36,20 @@ from hf_verl.rollout.base import (
 from hf_verl.rollout.sampling import sample_next
 
 logger = logging.getLogger(__name__)
+
+
+def _own_generate(model) -> bool:
+    """Whether `model.generate` is the model's own code rather than transformers' `GenerationMixin.generate`
+    (which the lean loop reproduces): one set on the instance, or a class that overrides it. PEFT's
+    wrapper, which hands over to the base model's, counts as the base model's."""
+    from transformers import GenerationMixin
+
+    if "generate" in vars(model):
+        return True
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if base is not model:
+        return "generate" in vars(base) or getattr(type(base), "generate", None) is not GenerationMixin.generate
+    return getattr(type(model), "generate", None) is not GenerationMixin.generate
 
 
 class TransformersEngine(RolloutEngine):
@@ -71,6 +88,7 @@ class TransformersEngine(RolloutEngine):
         if pad is None:
             pad = min(self.eos_token_ids) if self.eos_token_ids else 0
         self.pad_token_id = int(pad)
+        self._dedup_prefill = True  # one prefill per distinct prompt, while the model's cache can repeat rows
 
     # ------------------------------------------------------------------ generation
 
@@ -148,7 +166,7 @@ class TransformersEngine(RolloutEngine):
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
                         generator: torch.Generator | None = None):
         input_ids, attention_mask = self._left_pad(prompts)
-        if self.use_generate or sampling.stop:
+        if self.use_generate or sampling.stop or _own_generate(self.model):
             # `generate` samples from the global generator: seed it inside a fork, so the caller's
             # random state is restored afterwards
             with torch.random.fork_rng(devices=[input_ids.device] if input_ids.is_cuda else [],
@@ -217,16 +235,23 @@ class TransformersEngine(RolloutEngine):
         """
         width = input_ids.shape[1]
         unique, inverse = torch.unique(torch.cat([input_ids, mask], dim=-1), dim=0, return_inverse=True)
-        if unique.shape[0] == input_ids.shape[0]:
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                             use_cache=True, logits_to_keep=1)
-            return out.logits[:, -1], out.past_key_values
-        u_ids, u_mask = unique[:, :width], unique[:, width:]
-        out = self.model(input_ids=u_ids, attention_mask=u_mask, position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0),
+        if self._dedup_prefill and unique.shape[0] < input_ids.shape[0]:
+            u_ids, u_mask = unique[:, :width], unique[:, width:]
+            out = self.model(input_ids=u_ids, attention_mask=u_mask,
+                             position_ids=(u_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            try:
+                cache.batch_select_indices(inverse)
+                return out.logits[inverse, -1], cache
+            except (AttributeError, NotImplementedError):
+                # a cache whose layers cannot repeat rows (the recurrent layers of hybrid Mamba / linear-attention
+                # models): prefill every row, for this and later calls
+                logger.info("%s's KV cache cannot repeat rows; prompts are prefilled once per completion",
+                            type(self.model).__name__)
+                self._dedup_prefill = False
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        cache.batch_select_indices(inverse)
-        return out.logits[inverse, -1], cache
+        return out.logits[:, -1], out.past_key_values
 
     def _decode_with_generate(self, input_ids, attention_mask, sampling: SamplingParams):
         """Decode with ``model.generate`` (needed for stop strings); raw logits give the log-probs.
@@ -261,15 +286,26 @@ class TransformersEngine(RolloutEngine):
             kwargs["cache_implementation"] = self.cache_implementation
         out = self.model.generate(**kwargs)
 
-        generated = out.sequences[:, width:]
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        generated = sequences[:, width:]
         temperature = 1.0 if sampling.greedy else sampling.temperature
-        if generated.shape[1] > 0:
-            logits = torch.stack(out.logits, dim=1).float()  # (B, T, V), raw logits
-            token_lps = torch.log_softmax(logits / temperature, dim=-1)
-            token_lps = token_lps.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        if generated.shape[1] == 0:
+            return generated, torch.zeros_like(generated, dtype=torch.float)
+        if isinstance(out, torch.Tensor) or getattr(out, "logits", None) is None:  # a custom generate: ids only
+            logits = self._teacher_forced_logits(sequences, attention_mask, width)
         else:
-            token_lps = torch.zeros_like(generated, dtype=torch.float)
-        return generated, token_lps
+            logits = torch.stack(out.logits, dim=1).float()  # (B, T, V), raw logits
+        token_lps = torch.log_softmax(logits / temperature, dim=-1)
+        return generated, token_lps.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+
+    def _teacher_forced_logits(self, sequences, prompt_mask, width: int) -> torch.Tensor:
+        """Raw logits `(B, T, V)` predicting each generated token, from one forward over prompt and completion
+        (everything after the prompt is attended: log-probs past a row's end are cut off later)."""
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(sequences.shape[0], sequences.shape[1] - width)], -1)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=sequences, attention_mask=mask, position_ids=position_ids,
+                            use_cache=False).logits
+        return logits[:, width - 1 : -1].float()
 
     def _postprocess(self, ids: list[int], lps: list[float], sampling: SamplingParams):
         """Cut after the first EOS or the first completed stop string; drop trailing padding."""
