@@ -376,6 +376,7 @@ def test_reward_functions_get_trainer_state_log_metric_and_log_extra(tmp_path):
     rows = trainer.completion_log.rows
     assert len(rows) == 4 and all(r["first_chars"] == r["completion"][:2] for r in rows)
     assert list(trainer.completion_log.extra_columns) == ["first_chars"]
+    assert trainer._logs["extra"]["first_chars"] == [r["first_chars"] for r in rows]  # TRL's view of the table
 
 
 def test_evaluation_reports_the_loss_and_reads_iterable_datasets(tmp_path):

@@ -193,6 +193,17 @@ class GRPOTrainer(OnPolicyTrainer):
             return torch.tensor(self.args.reward_weights, dtype=torch.float32)
         return torch.ones(len(self.reward_funcs), dtype=torch.float32)
 
+    @property
+    def _logs(self) -> dict:
+        """TRL's `_logs` (read by callbacks that show completions): the latest round's completions table as
+        columns (`prompt`, `completion`, `rewards` per function, `advantages`, the reward functions' `extra`
+        columns), gathered from every rank; kept with `log_completions=True`."""
+        rows = self.completion_log.rows
+        return {"prompt": [r["prompt"] for r in rows], "completion": [r["completion"] for r in rows],
+                "rewards": {name: [r[name] for r in rows] for name in self.reward_names},
+                "advantages": [r["advantage"] for r in rows], "extra": self.completion_log.extra_columns,
+                "images": []}
+
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's: the tokens of `mask` whose entropy is at least the `threshold`-quantile of the masked entropies
         of every process (`threshold` = 1 - `top_entropy_quantile`); all False when no token is masked in.
