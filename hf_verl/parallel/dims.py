@@ -120,6 +120,7 @@ class ParallelDims:
 
     @property
     def sp_rank(self) -> int:
+        """This process's rank in its sequence-parallel group: which shard of a packed sequence it holds."""
         return self.coordinates["sp"]
 
     @property
@@ -167,6 +168,21 @@ class ParallelDims:
         if "dp" not in self._groups:
             self._groups["dp"] = self.mesh["dp"].get_group()
         return self._groups["dp"]
+
+    @property
+    def sp_group(self) -> Any:
+        """The process group of this rank's sequence-parallel (Ulysses) peers, which hold the shards of one
+        packed sequence (`None`: no sequence parallelism). Its rank order is :attr:`sp_rank`."""
+        if self.sp == 1:
+            return None
+        _require_process_group()
+        if self.sp == self.world_size:
+            import torch.distributed as dist
+
+            return dist.group.WORLD
+        if "sp" not in self._groups:
+            self._groups["sp"] = self.mesh["sp"].get_group()
+        return self._groups["sp"]
 
 
 def _world_and_rank() -> tuple[int, int]:
