@@ -388,6 +388,13 @@ def test_evaluation_reports_the_loss_and_reads_iterable_datasets(tmp_path):
     assert streamed["eval_reward"] == pytest.approx(m["eval_reward"], abs=6.0) and "eval_loss" in streamed
     both = trainer.evaluate({"a": evals, "b": evals.to_iterable_dataset()})
     assert {"eval_a_loss", "eval_b_loss", "eval_a_reward", "eval_b_reward"} <= set(both)
+    trainer.args.dataloader_num_workers = 2
+    assert trainer.get_eval_dataloader(evals.to_iterable_dataset()).num_workers == 0  # a stream: one reader
+    assert trainer.get_eval_dataloader(evals).num_workers == 2 and trainer.args.dataloader_num_workers == 2
+
+
+def test_config_takes_output_dir_first(tmp_path):
+    assert GRPOConfig(str(tmp_path), report_to="none").output_dir == str(tmp_path)  # as TrainingArguments
 
 
 def test_an_iterable_train_dataset_trains_in_whole_groups(tmp_path):

@@ -37,7 +37,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class GRPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossArguments):
+class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossArguments, TrainingArguments):
     """Configuration of :class:`~hf_verl.GRPOTrainer` (a `transformers.TrainingArguments`).
 
     Generation: `num_generations` completions per prompt, of at most `max_completion_length`

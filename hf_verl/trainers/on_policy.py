@@ -249,6 +249,19 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             sampler_fn=self._get_train_sampler, is_training=True,
         )
 
+    def get_eval_dataloader(self, eval_dataset=None):
+        """The Trainer's evaluation dataloader (`evaluate()` reads the rows itself, see :meth:`_eval_batches`);
+        an iterable evaluation set is read by one worker, whatever `dataloader_num_workers` says for training."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset
+        if not _is_iterable(dataset):
+            return super().get_eval_dataloader(eval_dataset)
+        workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
+        try:
+            return super().get_eval_dataloader(dataset)
+        finally:
+            self.args.dataloader_num_workers = workers
+
     def _prepare_inputs(self, inputs):
         return inputs  # rollouts are built by `_rollout_round`; no tensor moving to do here
 
