@@ -32,6 +32,7 @@ from hf_verl.parallel import deepspeed as ds
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
 from hf_verl.parallel.fsdp import apply_fsdp, release_root
+from hf_verl.parallel.ulysses import apply_sequence_parallel
 from hf_verl.rollout.weight_sync import iter_weight_buckets, plain_state_items
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class AccelerateEngine(TrainingEngine):
         config = getattr(model, "config", None)
         if pad_token_id is not None and config is not None and getattr(config, "pad_token_id", None) is None:
             config.pad_token_id = pad_token_id
+        # the composition order: sequence parallelism, then activation checkpointing, then sharding
+        apply_sequence_parallel(model, dims)
         if not trainable:
             model.requires_grad_(False)
             model.eval()
@@ -94,7 +97,7 @@ class AccelerateEngine(TrainingEngine):
             self._module = accelerator.prepare_model(model)
         elif kind == "fsdp2":
             low = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
-            apply_fsdp(model, dims.dp_mesh(), reshard_after_forward=backend.reshard_after_forward,
+            apply_fsdp(model, dims.fsdp_mesh(), reshard_after_forward=backend.reshard_after_forward,
                        param_dtype=low, reduce_dtype=torch.float32 if low is not None else None,
                        offload_params=backend.offload_params)
         elif kind == "deepspeed":
@@ -152,6 +155,9 @@ class AccelerateEngine(TrainingEngine):
         if self.backend.kind == "fsdp2" and not result.requires_grad:
             release_root(self._model)
 
+    def _value_head(self) -> torch.nn.Module:
+        return value_head(self.model)
+
     def token_values(self, input_ids, select, *, attention_mask=None, position_ids=None) -> torch.Tensor:
         out = self.module(**self._forward(input_ids, attention_mask, position_ids))
         hidden = out.hidden_states[-1][select]
@@ -192,6 +198,11 @@ class AccelerateEngine(TrainingEngine):
     def backward(self, loss: torch.Tensor) -> None:
         if not self.trainable:
             raise ValueError(f"the {self.role} engine is frozen; it runs no backward.")
+        if self.dims.sp > 1:
+            # each rank of a sequence-parallel group backpropagates only its own shard's tokens, so the full
+            # gradient is the sum over the group; DDP / DeepSpeed (over the world) and FSDP2 (over dp x sp)
+            # average over the group instead: scaling by sp turns that mean into the sum
+            loss = loss * self.dims.sp
         if self._is_deepspeed:
             self._module.backward(loss, scale_wrt_gas=False)
             self._module.step()  # a no-op before the accumulation boundary

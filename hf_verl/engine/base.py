@@ -142,6 +142,12 @@ class TrainingEngine(abc.ABC):
             `(logp, entropy)`; with `with_aux_loss`, `(logp, entropy, aux_loss)` where `aux_loss` is the
             model's router load-balancing loss of this forward (a Mixture-of-Experts model).
         """
+        if self.dims.sp > 1:
+            if with_aux_loss:
+                raise ValueError("a Mixture-of-Experts router aux loss (router_aux_loss_coef > 0) is not supported "
+                                 "with sequence_parallel_size > 1: set router_aux_loss_coef=0 or "
+                                 "sequence_parallel_size=1.")
+            return self._sequence_parallel_logprobs(batch, temperature, chunk_size, with_entropy)
         input_ids, mask, select, targets = rollout_positions(batch)
         stats = self.token_logprobs(input_ids, targets, select, attention_mask=mask,
                                     position_ids=position_ids_from_mask(mask),
@@ -155,6 +161,10 @@ class TrainingEngine(abc.ABC):
                             chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
         """`(B, C)` log-probs of a rollout's completion tokens and `sum_v pi_v^2` at each of them (no gradient;
         0 on padding)."""
+        if self.dims.sp > 1:
+            raise ValueError("the optimal-token-baseline estimators need per-token sampling statistics, which the "
+                             "sequence-parallel path does not compute yet: choose another advantage_estimator or "
+                             "sequence_parallel_size=1.")
         input_ids, mask, select, targets = rollout_positions(batch)
         stats = self.token_logprobs(input_ids, targets, select, attention_mask=mask,
                                     position_ids=position_ids_from_mask(mask),
@@ -164,9 +174,36 @@ class TrainingEngine(abc.ABC):
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         """`(B, C)` critic values of the states before each completion token, 0 on padding."""
+        if self.dims.sp > 1:
+            from hf_verl.data.packing import pack_rollout
+            from hf_verl.parallel.ulysses import packed_values
+
+            packed = pack_rollout(batch, multiple_of=self.dims.sp, pad_token_id=self._pad_token_id())
+            return packed_values(self.module, self._value_head(), packed, self.dims).float()
         input_ids, mask, select, _ = rollout_positions(batch)
         flat = self.token_values(input_ids, select, attention_mask=mask, position_ids=position_ids_from_mask(mask))
         return scatter_completion(batch, flat.float())
+
+    # ------------------------------------------------------------------ sequence parallelism (Ulysses)
+    def _sequence_parallel_logprobs(self, batch: RolloutBatch, temperature: float, chunk_size: int,
+                                    with_entropy: bool):
+        """:meth:`logprobs` over a padding-free packed batch whose sequence is split over the `sp` ranks
+        (:mod:`hf_verl.parallel.ulysses`); every rank of the group gets the whole `(B, C)` result."""
+        from hf_verl.data.packing import pack_rollout
+        from hf_verl.parallel.ulysses import packed_logprobs
+
+        packed = pack_rollout(batch, multiple_of=self.dims.sp, pad_token_id=self._pad_token_id())
+        return packed_logprobs(self.module, self.model.get_output_embeddings(), packed, self.dims,
+                               temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
+                               with_entropy=with_entropy)
+
+    def _pad_token_id(self) -> int:
+        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        return 0 if pad is None else int(pad)
+
+    def _value_head(self) -> torch.nn.Module:
+        """The critic's one-output value head module (a sequence-classification model's `score`)."""
+        raise NotImplementedError(f"{type(self).__name__} names no value head for sequence parallelism.")
 
     @contextlib.contextmanager
     def adapters_disabled(self) -> Iterator[TrainingEngine]:

@@ -147,7 +147,20 @@ class ParallelDims:
         _require_process_group()
         mesh = init_device_mesh(self.device_type, tuple(getattr(self, a) for a in AXES), mesh_dim_names=AXES)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.sp > 1:
+            mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
         return mesh
+
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards (and averages gradients) over: :meth:`dp_mesh`, or with sequence parallelism
+        the data-parallel shard axis and the `sp` axis flattened ("dp_shard_sp"; x `dp_replicate` for HSDP),
+        so that the ranks of one sequence-parallel group share the parameter shards of one data-parallel rank
+        and their partial gradients meet in FSDP2's reduce-scatter."""
+        if self.sp == 1:
+            return self.dp_mesh()
+        if self.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard_sp"]
+        return self.mesh["dp_shard_sp"]
 
     def dp_mesh(self):
         """The mesh FSDP2 shards over: 1-D `dp_shard`, or 2-D (`dp_replicate`, `dp_shard`) for HSDP."""
