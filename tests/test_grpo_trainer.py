@@ -469,3 +469,44 @@ def test_a_hybrid_cache_that_cannot_repeat_rows_is_prefilled_per_row(char_tokeni
     lean = engine.generate(prompts, greedy)
     assert not engine._dedup_prefill
     assert lean.completion_ids == TransformersEngine(model, tok, use_generate=True).generate(prompts, greedy).completion_ids
+
+
+def test_an_environment_can_own_the_data(tmp_path):
+    """TRL: without a train_dataset the environment's reset() returns the prompt; max_steps sets the length, and
+    the checks on data come before any other."""
+    from tests.test_grpo_tools import _args as tool_args
+    from tests.test_grpo_tools import _bigram_llama
+    from tests.test_grpo_tools import _tokenizer as hermes_tokenizer
+
+    class Quiz:
+        def reset(self, **row):
+            assert "prompt" in row  # the placeholder row: an empty user message
+            return "what is 2+3? (use the add tool)"
+
+        def add(self, a: int, b: int) -> int:
+            """Add two integers.
+
+            Args:
+                a: the first integer
+                b: the second integer
+            """
+            return a + b
+
+    seen = []
+
+    def answered(prompts, completions, **kwargs):
+        seen.extend(p[-1]["content"] for p in prompts)
+        return [float(any(m["role"] == "tool" for m in c)) for c in completions]
+
+    tok = hermes_tokenizer()
+    with pytest.raises(ValueError, match="`max_steps` must be set"):
+        GRPOTrainer(model=_bigram_llama(tok), reward_funcs=answered, processing_class=tok, environment_factory=Quiz,
+                    args=tool_args(tmp_path, max_steps=-1))
+    with pytest.raises(ValueError, match="requires a `train_dataset` with an `environment` column"):
+        GRPOTrainer(model=_bigram_llama(tok), reward_funcs=answered, processing_class=tok,
+                    environment_factory={"a": Quiz, "b": Quiz}, args=tool_args(tmp_path))
+    trainer = GRPOTrainer(model=_bigram_llama(tok), reward_funcs=answered, processing_class=tok,
+                          environment_factory=Quiz, args=tool_args(tmp_path, max_steps=2))
+    trainer.train()
+    assert len(seen) == 16 and set(seen) == {"what is 2+3? (use the add tool)"}
+    assert all(h["tools/call_frequency"] > 0 for h in trainer.state.log_history if "loss" in h)

@@ -91,10 +91,10 @@ class GRPOTrainer(OnPolicyTrainer):
                              "disabled and cannot be mixed; set sync_ref_model=False or train without peft_config.")
         if args.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {args.vllm_mode!r}.")
+        train_dataset = self._environment_owned_data(args, train_dataset, environment_factory)
         tool_rollout, reward_funcs, reward_processing_classes, args = self._tool_setup(
             args, tools, environment_factory, rollout_func, funcs or None, reward_processing_classes, processing_class,
             train_dataset)
-        train_dataset = self._environment_owned_data(args, train_dataset, environment_factory)
         super().__init__(model=model, args=args, reward_funcs=reward_funcs,
                          reward_processing_classes=reward_processing_classes, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
