@@ -144,6 +144,9 @@ FIELDS: dict[str, Field] = {
                         "Actor size, read by the parallel-layout planner; None: counted once loaded."),
     "debug_path": Field(None, (str, _NONE), lambda v: True, "None or a file path",
                         "JSONL file of debug-mode records; None: `hf_verl_debug.jsonl` in the cwd."),
+    "sequence_parallel_size": Field(1, (int,), lambda v: v >= 1, "an int >= 1",
+                                    "Ulysses sequence-parallel degree: each rollout row's sequence is split over this "
+                                    "many processes of the launch (read when the roles are first laid out)."),
     "seed": Field(42, (int,), lambda v: True, "an int", "The run's seed: the dataset draw order and per-row seeds."),
     "per_row_sampling_seed": Field(False, (bool,), lambda v: True, "True or False",
                                    "Sample each completion from its own stream seeded by (seed, rollout, row): "

@@ -48,6 +48,7 @@ from hf_verl.facade.debug import (
 from hf_verl.facade.prefetch import GENERATION_SETTINGS, Generated, Pending
 from hf_verl.facade.roles import LazyModel, model_device_dtype, vocab_size
 from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
+from hf_verl.parallel import comm
 from hf_verl.parallel.capabilities import parallelism_report, supported_parallelisms
 from hf_verl.pipeline import generation, losses, phases
 from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
@@ -203,7 +204,7 @@ class Trainer:
             from hf_verl.trainers.engine_glue import launch_layout
 
             accelerator = Accelerator(cpu=not torch.cuda.is_available())
-            backend, dims = launch_layout(accelerator.num_processes)
+            backend, dims = launch_layout(accelerator.num_processes, self.config.sequence_parallel_size)
             self._layout = (backend, dims, accelerator)
         return self._layout
 
@@ -482,6 +483,8 @@ class Trainer:
 
     def _finish(self, generated: Generated) -> Rollout:
         """The trainer-dependent phases of a rollout, on the main thread with the current roles."""
+        if self.dims.sp > 1:  # the ranks of a sequence-parallel group train on the same rollout: the first one's
+            generated = comm.broadcast_sp(self.dims, generated)
         out, timings, cfg = generated.out, generated.timings, self.config
         kw = {"temperature": cfg.temperature if cfg.temperature > 0 else 1.0, "chunk_size": cfg.logprob_chunk_size,
               "micro_batch": out.batch_size}

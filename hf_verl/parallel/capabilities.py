@@ -9,7 +9,7 @@ reason for every entry; :func:`supported_parallelisms` lists the available ones.
 | data | DDP replicas | torch.distributed; 2+ CUDA devices, or CPU processes over gloo |
 | fsdp | FSDP2 sharded data parallel | `torch.distributed.fsdp.fully_shard`, as for data |
 | zero | DeepSpeed ZeRO-1/2/3 | `deepspeed` importable, as for data |
-| sequence | Ulysses sequence parallel | not built yet |
+| sequence | Ulysses sequence parallel | `sequence_parallel_size` > 1 over the launch's processes |
 | tensor / pipeline | Megatron-Core through hf_verl's bridge | not built yet (megatron-core importable is not enough) |
 """
 
@@ -68,7 +68,8 @@ def parallelism_report() -> dict[str, Availability]:
     report["zero"] = Availability(
         ok and ds_err is None,
         where if ds_err is None else f"deepspeed does not import ({ds_err}): `pip install hf_verl[deepspeed]`")
-    report["sequence"] = Availability(False, "Ulysses sequence parallelism is not built into hf_verl yet")
+    report["sequence"] = Availability(
+        ok, f"Ulysses sequence parallelism (sequence_parallel_size) over {where}" if ok else where)
     mc_err = _import_error("megatron.core")
     note = "megatron-core imports, but" if mc_err is None else f"megatron-core does not import ({mc_err}), and"
     for name in ("tensor", "pipeline"):

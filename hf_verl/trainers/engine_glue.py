@@ -53,8 +53,9 @@ def load_pretrained(model_id: str, model_init_kwargs: dict | None = None, *, tru
     return (auto_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
 
 
-def launch_layout(num_processes: int) -> tuple[BackendSpec, ParallelDims]:
-    """The run's backend (checked against the machine) and its `ParallelDims`."""
+def launch_layout(num_processes: int, sequence_parallel_size: int = 1) -> tuple[BackendSpec, ParallelDims]:
+    """The run's backend (checked against the machine) and its `ParallelDims` (with the `sp` axis of
+    `sequence_parallel_size`; the processes it leaves are data-parallel ranks)."""
     import torch.distributed as dist
 
     from hf_verl.parallel.dims import _world_and_rank
@@ -62,7 +63,7 @@ def launch_layout(num_processes: int) -> tuple[BackendSpec, ParallelDims]:
     world, _ = _world_and_rank()
     ready = dist.is_available() and dist.is_initialized()
     backend = resolve_backend(world, ready and num_processes == world)
-    return backend, ParallelDims.from_environment(shard=backend.shards)
+    return backend, ParallelDims.from_environment(shard=backend.shards, sp=sequence_parallel_size)
 
 
 class EngineTrainerMixin:

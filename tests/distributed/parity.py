@@ -23,6 +23,7 @@ from datasets import Dataset
 from tests.conftest import build_char_tokenizer
 
 GLOBAL_ROWS = 8
+SP = int(os.environ.get("PARITY_SP", "1"))  # sequence-parallel degree: the world's processes are dp x SP
 
 
 def tiny_qwen2(tok, cls="Qwen2ForCausalLM", seed=0, **kw):
@@ -40,8 +41,10 @@ def count_a(completions, **kwargs):
 
 
 def common(out, world):
+    sp = {"sequence_parallel_size": SP} if SP > 1 else {}
     return dict(output_dir=out, use_cpu=os.environ.get("PARITY_USE_CPU", "1") == "1", report_to=[], max_steps=3,
-                logging_steps=1, per_device_train_batch_size=GLOBAL_ROWS // world, gradient_accumulation_steps=1,
+                logging_steps=1, per_device_train_batch_size=GLOBAL_ROWS // (world // SP), gradient_accumulation_steps=1,
+                **sp,
                 learning_rate=float(os.environ.get("PARITY_LR", "1e-3")), lr_scheduler_type="constant",
                 save_strategy="no", disable_tqdm=True, seed=11, gradient_checkpointing=False, bf16=False)
 
@@ -107,11 +110,13 @@ def facade_run(out, world, tok, rank):
                      critic_model=tiny_qwen2(tok, "Qwen2ForSequenceClassification", seed=1, num_labels=1),
                      reward_model=count_a, tokenizer=tok,
                      config=dict(num_generations=4, max_completion_length=6, beta=0.05, learning_rate=1e-3,
-                                 critic_learning_rate=2e-3, seed=11, per_row_sampling_seed=True))
-    per_rank = 2 // world
+                                 critic_learning_rate=2e-3, seed=11, per_row_sampling_seed=True,
+                                 sequence_parallel_size=SP))
+    dp_size, dp_rank = world // SP, rank // SP  # the sp ranks of one data-parallel rank take the same prompts
+    per_rank = 2 // dp_size
     losses, values = [], []
     for step in range(3):
-        batch = prompts[2 * step : 2 * step + 2][rank * per_rank : (rank + 1) * per_rank]
+        batch = prompts[2 * step : 2 * step + 2][dp_rank * per_rank : (dp_rank + 1) * per_rank]
         loss = facade.compute_loss(facade.rollout(batch))
         losses.append(comm.reduce(facade.dims, loss.detach().reshape(1), "mean").item())
         values.append(comm.reduce(facade.dims, torch.tensor([facade._loss_metrics["loss/value"]]), "mean").item())
@@ -148,7 +153,8 @@ def main(algo: str, out: str) -> None:
             param = next(engine.model.parameters())
             with open(os.path.join(out, "result.json"), "w") as f:
                 json.dump({"losses": losses, "extra": extra, "backend": engine.backend.label,
-                           "world": facade.dims.world_size, "dp_size": facade.dims.dp_size,
+                           "world": facade.dims.world_size, "dp_size": facade.dims.dp_size, "sp": facade.dims.sp,
+                           "attention": engine.model.config._attn_implementation,
                            "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
                            "export_max_error": 0.0, "export_names_match": True}, f)
         return
@@ -164,7 +170,8 @@ def main(algo: str, out: str) -> None:
                  for k in ("loss/value_avg", "reward", "rewards/chosen")}
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"losses": losses, "extra": extra, "backend": trainer.backend.label,
-                       "world": trainer.dims.world_size, "dp_size": trainer.dims.dp_size,
+                       "world": trainer.dims.world_size, "dp_size": trainer.dims.dp_size, "sp": trainer.dims.sp,
+                       "attention": trainer.actor.model.config._attn_implementation,
                        "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
                        "export_max_error": err, "export_names_match": same_names}, f)
 
