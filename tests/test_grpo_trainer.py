@@ -510,3 +510,11 @@ def test_an_environment_can_own_the_data(tmp_path):
     trainer.train()
     assert len(seen) == 16 and set(seen) == {"what is 2+3? (use the add tool)"}
     assert all(h["tools/call_frequency"] > 0 for h in trainer.state.log_history if "loss" in h)
+
+
+def test_entropy_coef_is_the_coefficient_in_force(tmp_path):
+    assert _trainer(tmp_path, entropy_coef=0.2).entropy_coef == 0.2
+    trainer = _trainer(tmp_path, max_steps=2, entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=100.0,
+                       entropy_coef_delta=0.005)
+    trainer.train()
+    assert trainer.entropy_coef == pytest.approx(0.01 + 2 * 0.005)  # raised once per optimizer step

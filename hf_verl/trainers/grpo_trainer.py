@@ -194,6 +194,12 @@ class GRPOTrainer(OnPolicyTrainer):
         return torch.ones(len(self.reward_funcs), dtype=torch.float32)
 
     @property
+    def entropy_coef(self) -> float:
+        """The entropy-bonus coefficient in force (TRL's attribute; adaptive entropy control moves it each
+        optimizer step)."""
+        return self.entropy_control.coef if self.entropy_control is not None else self.args.entropy_coef
+
+    @property
     def _logs(self) -> dict:
         """TRL's `_logs` (read by callbacks that show completions): the latest round's completions table as
         columns (`prompt`, `completion`, `rewards` per function, `advantages`, the reward functions' `extra`
