@@ -29,10 +29,12 @@ class RepeatGroupSampler(Sampler[int]):
         repeat (`int`): micro-steps that consume one round.
         shuffle (`bool`): shuffle prompts each epoch (with `seed + epoch`).
         seed (`int`): base seed.
+        copies (`int`): consecutive processes that receive the same chunk (the ranks of one sequence-parallel
+            group, which train on the same rows): `world_size` then counts data-parallel ranks.
     """
 
     def __init__(self, num_prompts: int, num_generations: int, chunk_size: int, world_size: int = 1,
-                 repeat: int = 1, shuffle: bool = True, seed: int = 0) -> None:
+                 repeat: int = 1, shuffle: bool = True, seed: int = 0, copies: int = 1) -> None:
         round_size = chunk_size * world_size
         if round_size % num_generations:
             raise ValueError(
@@ -48,6 +50,7 @@ class RepeatGroupSampler(Sampler[int]):
         self.num_prompts, self.num_generations = num_prompts, num_generations
         self.chunk_size, self.world_size, self.repeat = chunk_size, world_size, repeat
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.copies = copies
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -69,7 +72,8 @@ class RepeatGroupSampler(Sampler[int]):
             chunks = [completions[p * self.chunk_size : (p + 1) * self.chunk_size] for p in range(self.world_size)]
             for _ in range(self.repeat):
                 for chunk in chunks:
-                    yield from chunk
+                    for _ in range(self.copies):
+                        yield from chunk
 
     def __len__(self) -> int:
-        return self.num_rounds * self.repeat * self.world_size * self.chunk_size
+        return self.num_rounds * self.repeat * self.world_size * self.chunk_size * self.copies

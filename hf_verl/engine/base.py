@@ -197,6 +197,20 @@ class TrainingEngine(abc.ABC):
                                temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
                                with_entropy=with_entropy)
 
+    def rows_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
+                      temperature: float = 1.0, chunk_size: int = 1024, with_mean_logit: bool = False):
+        """`(N, C)` log-probs of each row's completion tokens given its prompt (and mean logits with
+        `with_mean_logit`), 0 on padding, through the padding-free packed path: split over the sequence-parallel
+        group when `dims.sp > 1` (DPO's pairs), one packed sequence otherwise."""
+        from hf_verl.data.packing import pack_rows
+        from hf_verl.parallel.ulysses import packed_logprobs
+
+        packed = pack_rows(prompt_ids, completion_ids, multiple_of=self.dims.sp, pad_token_id=self._pad_token_id())
+        logp, _, *rest = packed_logprobs(self.module, self.model.get_output_embeddings(), packed, self.dims,
+                                         temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
+                                         with_mean_logit=with_mean_logit)
+        return (logp, rest[0]) if with_mean_logit else logp
+
     def _pad_token_id(self) -> int:
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
         return 0 if pad is None else int(pad)

@@ -313,9 +313,10 @@ def _hidden(module: torch.nn.Module, shard: SequenceShard, **extra: Any) -> torc
 
 
 def shard_token_stats(module: torch.nn.Module, head: torch.nn.Module, shard: SequenceShard, *,
-                      temperature: float = 1.0, chunk_size: int = 1024,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the labels (and entropy) at this shard's positions, `(L,)` each, 0 off the loss mask.
+                      temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                      with_mean_logit: bool = False):
+    """Log-probs of the labels (and entropy) at this shard's positions, `(L,)` each, 0 off the loss mask; with
+    `with_mean_logit` a third `(L,)` tensor, the mean logit over the vocabulary (no gradient).
 
     Args:
         module: the module forwards run through (the model, or its DDP / FSDP2 / DeepSpeed wrapper).
@@ -324,11 +325,14 @@ def shard_token_stats(module: torch.nn.Module, head: torch.nn.Module, shard: Seq
     """
     hidden = _hidden(module, shard, logits_to_keep=1)
     select = shard.loss_mask[0]
-    logp, entropy, _ = logprobs_from_head(hidden[select], head, shard.labels[0][select], temperature=temperature,
-                                          chunk_size=chunk_size, with_entropy=with_entropy)
+    logp, entropy, mean_logit = logprobs_from_head(hidden[select], head, shard.labels[0][select],
+                                                   temperature=temperature, chunk_size=chunk_size,
+                                                   with_entropy=with_entropy, with_mean_logit=with_mean_logit)
     zeros = hidden.new_zeros(shard.length, dtype=torch.float32)
-    return (zeros.masked_scatter(select, logp),
-            zeros.masked_scatter(select, entropy) if with_entropy else None)
+    out = (zeros.masked_scatter(select, logp), zeros.masked_scatter(select, entropy) if with_entropy else None)
+    if with_mean_logit:
+        out += (zeros.masked_scatter(select, mean_logit.float().detach()),)
+    return out
 
 
 def shard_values(module: torch.nn.Module, head: torch.nn.Module, shard: SequenceShard) -> torch.Tensor:
@@ -342,15 +346,19 @@ def shard_values(module: torch.nn.Module, head: torch.nn.Module, shard: Sequence
 
 
 def packed_logprobs(module: torch.nn.Module, head: torch.nn.Module, packed: PackedBatch, dims: ParallelDims, *,
-                    temperature: float = 1.0, chunk_size: int = 1024,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
+                    with_mean_logit: bool = False):
     """`(B, C)` log-probs (and entropy) of the completion tokens of a packed batch, 0 on padding, on every
-    rank of the sequence-parallel group (`dims.sp == 1`: one process over the packed sequence)."""
+    rank of the sequence-parallel group (`dims.sp == 1`: one process over the packed sequence); with
+    `with_mean_logit` a third `(B, C)` tensor of mean logits (no gradient)."""
     shard = shard_sequence(packed, dims)
-    logp, entropy = shard_token_stats(module, head, shard, temperature=temperature, chunk_size=chunk_size,
-                                      with_entropy=with_entropy)
-    logp = packed.unpack(gather_sequence(logp, shard))
-    return logp, (packed.unpack(gather_sequence(entropy, shard)) if with_entropy else None)
+    stats = shard_token_stats(module, head, shard, temperature=temperature, chunk_size=chunk_size,
+                              with_entropy=with_entropy, with_mean_logit=with_mean_logit)
+    logp = packed.unpack(gather_sequence(stats[0], shard))
+    out = (logp, packed.unpack(gather_sequence(stats[1], shard)) if with_entropy else None)
+    if with_mean_logit:
+        out += (packed.unpack(gather_sequence(stats[2], shard)),)
+    return out
 
 
 def packed_values(module: torch.nn.Module, head: torch.nn.Module, packed: PackedBatch,

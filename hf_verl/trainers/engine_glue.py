@@ -77,7 +77,8 @@ class EngineTrainerMixin:
 
     def _init_engines(self, backend: BackendSpec | None = None, dims: ParallelDims | None = None) -> None:
         if backend is None or dims is None:
-            backend, dims = launch_layout(self.accelerator.num_processes)
+            backend, dims = launch_layout(self.accelerator.num_processes,
+                                          getattr(self.args, "sequence_parallel_size", 1))
         self.backend, self.dims = backend, dims
         self._add_model_tags(self.model)
         # the engine lays the model out; the Trainer must not also run its own FSDP / DeepSpeed path (which

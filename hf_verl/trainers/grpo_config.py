@@ -49,6 +49,9 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossA
     """
 
     learning_rate: float = field(default=1e-6, metadata=_help("AdamW learning rate (TRL's default)."))
+    sequence_parallel_size: int = field(default=1, metadata={"help": (
+        "Ulysses sequence-parallel degree: each row's sequence is split over this many processes (padding-free "
+        "packed batches; see docs/sequence_parallel.md). The launch's processes are data-parallel ranks x this.")})
     logging_steps: float = field(default=10, metadata=_help("Log every N steps."))
     gradient_checkpointing: bool = field(default=True, metadata=_help("Activation checkpointing."))
     bf16: bool | None = field(default=None, metadata=_help("None: True on bf16-capable CUDA, else False."))
@@ -139,6 +142,7 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossA
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
         super().__post_init__()
         self._take_over_deepspeed()
+        self._check_sequence_parallel()
         self._validate()
 
     def _validate(self) -> None:

@@ -114,7 +114,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                                  "the column(s) (dataset.remove_columns) or use a text-only dataset.")
         self.reward_funcs = resolve_reward_sources(reward_funcs, reward_processing_classes)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
-        backend, dims = launch_layout(args.world_size)
+        backend, dims = launch_layout(args.world_size, args.sequence_parallel_size)
         if ref_model is None and need_reference and not is_peft:
             ref_model = frozen_copy(model)  # PEFT: the base model with adapters disabled is the reference
         self.ref_model = ref_model
@@ -230,6 +230,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             len(train_dataset if train_dataset is not None else self.train_dataset), a.num_generations,
             chunk_size=a.per_device_train_batch_size * a.steps_per_generation, world_size=self.dims.dp_size,
             repeat=a.steps_per_generation * a.num_iterations, shuffle=a.shuffle_dataset, seed=a.seed,
+            copies=self.dims.sp,
         )
 
     def get_train_dataloader(self):
@@ -238,6 +239,9 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             raise ValueError(f"{type(self).__name__} needs a train_dataset with a 'prompt' column.")
         dataset = self.train_dataset
         if _is_iterable(dataset):  # no sampler can index it: the stream itself is laid out in rounds
+            if self.dims.sp > 1:
+                raise ValueError("an iterable train_dataset with sequence_parallel_size > 1 is not supported: use a "
+                                 "map-style datasets.Dataset, or sequence_parallel_size=1.")
             a = self.args
             if a.shuffle_dataset and callable(getattr(dataset, "shuffle", None)):
                 dataset = dataset.shuffle(seed=a.seed)  # a buffered shuffle, reseeded each epoch
@@ -356,6 +360,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         return batch, rewards_per_func, {"generate": t1 - t0, "reward": time.perf_counter() - t1}
 
     def _finish_collected(self, c: dict) -> list[RolloutBatch]:
+        if self.dims.sp > 1:  # the ranks of a sequence-parallel group train on the first one's rollout
+            c = comm.broadcast_sp(self.dims, c)
         self._metrics["prompts/truncated_ratio"].append(c["num_truncated"] / c["batch"].batch_size)
         self._take_reward_logs(c["reward_context"], c["batch"])
         counts = tool_metrics(c["batch"])

@@ -27,7 +27,17 @@ class ParallelArguments:
         processes not taken by sequence / tensor / pipeline parallelism): global batch sizes count them."""
         from hf_verl.parallel.dims import ParallelDims
 
-        return ParallelDims.data_parallel(self.world_size, self.process_index, shard=False).dp_size
+        sp = getattr(self, "sequence_parallel_size", 1)
+        return ParallelDims.data_parallel(self.world_size, self.process_index, shard=False, sp=sp).dp_size
+
+    def _check_sequence_parallel(self) -> None:
+        """`sequence_parallel_size`: an int >= 1 that divides the launch's processes (checked up front)."""
+        sp = self.sequence_parallel_size
+        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+            raise ValueError(f"sequence_parallel_size must be an int >= 1, got {sp!r}.")
+        if self.world_size % sp:
+            raise ValueError(f"sequence_parallel_size={sp} does not divide the {self.world_size} launched processes: "
+                             f"launch a multiple of {sp} processes or choose a divisor of {self.world_size}.")
 
     def _take_over_deepspeed(self) -> None:
         if getattr(self, "deepspeed_plugin", None) is None:

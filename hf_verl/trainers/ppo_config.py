@@ -59,6 +59,9 @@ class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArgu
     # --- TRL PPOConfig fields
     dataset_num_proc: int | None = field(default=None, metadata=_help("Processes for dataset preprocessing."))
     num_mini_batches: int = field(default=1, metadata=_help("Mini-batches (optimizer steps) per rollout and epoch."))
+    sequence_parallel_size: int = field(default=1, metadata={"help": (
+        "Ulysses sequence-parallel degree: each row's sequence is split over this many processes (padding-free "
+        "packed batches; see docs/sequence_parallel.md). The launch's processes are data-parallel ranks x this.")})
     total_episodes: int | None = field(default=None, metadata=_help("Completions to train on; sets max_steps."))
     local_rollout_forward_batch_size: int = field(default=64, metadata=_help("Per-process batch of the no-grad rollout forwards."))
     num_sample_generations: int = field(default=10, metadata=_help("Log a sample completion this many times per run (0: never)."))
@@ -113,6 +116,7 @@ class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArgu
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         super().__post_init__()
         self._take_over_deepspeed()
+        self._check_sequence_parallel()
         self._validate()
         if self.rollout_accumulation_steps is None:  # first resolution (not a reload of a resolved config)
             # TRL's meaning: a mini-batch (one optimizer step) is gradient_accumulation_steps micro-batches of
