@@ -65,6 +65,9 @@ class DPOConfig(TrainingArguments, ParallelArguments):
     f_alpha_divergence_coef: float = field(default=0.5, metadata=_help("alpha of the alpha-divergence."))
     label_smoothing: float = field(default=0.0, metadata=_help("robust / exo_pair / aot label smoothing."))
     beta: float = field(default=0.1, metadata=_help("Inverse temperature of the implicit reward."))
+    sequence_parallel_size: int = field(default=1, metadata={"help": (
+        "Ulysses sequence-parallel degree: each row's sequence is split over this many processes (padding-free "
+        "packed batches; see docs/sequence_parallel.md). The launch's processes are data-parallel ranks x this.")})
     use_weighting: bool = field(default=False, metadata=_help(
         "WPO: weigh each pair's loss by the policy's aligned probability of both answers."))
     discopop_tau: float = field(default=0.05, metadata=_help("DiscoPOP temperature."))
@@ -83,6 +86,7 @@ class DPOConfig(TrainingArguments, ParallelArguments):
             logger.warning("pad_token is deprecated (TRL); set tokenizer.pad_token instead.")
         super().__post_init__()
         self._take_over_deepspeed()
+        self._check_sequence_parallel()
         self._validate()
 
     def _validate(self) -> None:

@@ -88,6 +88,21 @@ class EngineTrainerMixin:
         self._engine_module = EngineModule(self.actor)
         self.model_wrapped = self._engine_module
 
+    def _over_data_parallel_ranks(self, dataloader):
+        """`dataloader` (prepared by accelerate over every process) dealt over the data-parallel ranks instead: the
+        ranks of one sequence-parallel group read the same batches. As transformers does for its rank-aware batch
+        samplers, the shard wrapper's process count and index are set (here to the data-parallel ones)."""
+        if self.dims.sp == 1:
+            return dataloader
+        from accelerate.data_loader import BatchSamplerShard
+
+        shard = getattr(dataloader, "batch_sampler", None)
+        if not isinstance(shard, BatchSamplerShard):
+            raise ValueError("sequence_parallel_size > 1 needs a map-style dataset (a datasets.Dataset), dealt in "
+                             "batches over the data-parallel ranks; an iterable dataset is not supported.")
+        shard.num_processes, shard.process_index = self.dims.dp_size, self.dims.dp_rank
+        return dataloader
+
     def _add_model_tags(self, model) -> None:
         # transformers models (and PEFT models, which forward to them) carry tags; other modules have none
         if self._tag_names and callable(getattr(model, "add_model_tags", None)):
