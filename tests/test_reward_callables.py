@@ -51,3 +51,25 @@ def test_combine_rewards_with_weights():
     assert combine_rewards(per, [0.5, 2.0]).tolist() == [4.5, 8.0, 0.0]
     with pytest.raises(ValueError, match="reward_weights has 1 entries but there are 2"):
         combine_rewards(per, [1.0])
+
+
+def test_a_reward_model_reads_the_score_before_its_tokenizers_padding():
+    """TRL sets the reward model's pad_token_id to its tokenizer's: the score is read at the last token before
+    that padding, so a padded batch scores each text as it scores alone; a pad token outside the vocabulary
+    falls back to EOS."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from hf_verl.rewards.reward_model import RewardModelScorer
+    from tests.conftest import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(Qwen2Config(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=len(tok), num_labels=1, pad_token_id=tok.convert_tokens_to_ids("a")))  # disagrees with tok
+    tok.pad_token = "<|not-in-vocab|>"
+    scorer = RewardModelScorer(model, tok)
+    batch = scorer(["ab", "b"], ["aaaa", "c"])
+    alone = [scorer([p], [c])[0] for p, c in (("ab", "aaaa"), ("b", "c"))]
+    assert tok.pad_token == tok.eos_token and model.config.pad_token_id == tok.eos_token_id
+    assert batch == pytest.approx(alone, abs=1e-5)

@@ -145,11 +145,19 @@ def score_reward_funcs(
         for j, value in zip(pending, _run_coroutines(list(pending.values()))):
             results[j] = value
     cols = [_check(reward_func_name(f), r, n) for f, r in zip(reward_funcs, results)]
-    return torch.tensor(cols, dtype=torch.float32).T.reshape(n, len(reward_funcs))
+    scores = torch.tensor(cols, dtype=torch.float32).T.reshape(n, len(reward_funcs))
+    unscored = scores.isnan().all(dim=1)
+    if unscored.any():  # TRL's warning, with the first such sample's inputs
+        i = int(unscored.nonzero()[0, 0])
+        row = {k: v[i] for k, v in kwargs.items() if isinstance(v, list) and len(v) == n}
+        logger.warning("All reward functions returned None for the following kwargs:\n%s\nPlease ensure that at "
+                       "least one reward function returns a valid reward (%d of %d samples got none; their reward "
+                       "is 0).", {**row, "prompt": prompts[i], "completion": completions[i]}, int(unscored.sum()), n)
+    return scores
 
 
 def combine_rewards(per_func: torch.Tensor, weights: Sequence[float] | None = None) -> torch.Tensor:
-    """Weighted sum over functions, ignoring None (NaN) entries; all-None samples get 0 (warned)."""
+    """Weighted sum over functions, ignoring None (NaN) entries; all-None samples get 0."""
     num = per_func.shape[1]
     if weights is None:
         w = torch.ones(num, dtype=per_func.dtype, device=per_func.device)
@@ -157,8 +165,4 @@ def combine_rewards(per_func: torch.Tensor, weights: Sequence[float] | None = No
         if len(weights) != num:
             raise ValueError(f"reward_weights has {len(weights)} entries but there are {num} reward functions.")
         w = torch.as_tensor(list(weights), dtype=per_func.dtype, device=per_func.device)
-    all_none = per_func.isnan().all(dim=1)
-    if all_none.any():
-        logger.warning("%d samples got None from every reward function; their reward is 0.",
-                       int(all_none.sum()))
-    return (per_func * w).nansum(dim=1)
+    return (per_func * w).nansum(dim=1)  # a sample every function left unscored gets 0 (warned when scored)

@@ -63,6 +63,7 @@ class RewardModelScorer:
         name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.__name__ = str(name).rstrip("/").split("/")[-1]
         self._forward: Callable[..., Any] | None = None  # set by `place`: the (sharded) module to run
+        self._ready = False  # loaded, padding agreed between tokenizer and model
 
     @property
     def model(self) -> Any:
@@ -99,17 +100,19 @@ class RewardModelScorer:
         if self._tokenizer is None:
             src = self._source if isinstance(self._source, str) else self._model.config._name_or_path
             self._tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=self._trust_remote_code)
-        if self._tokenizer.pad_token_id is None:
+        if self._tokenizer.pad_token_id is None:  # no pad token, or one the vocabulary lacks
             self._tokenizer.pad_token = self._tokenizer.eos_token
-        if self._model.config.pad_token_id is None:
-            self._model.config.pad_token_id = self._tokenizer.pad_token_id
+        # the score is read at the last token before the padding the model's config names: it must be the
+        # padding this tokenizer adds (TRL sets it the same way)
+        self._model.config.get_text_config().pad_token_id = self._tokenizer.pad_token_id
         if self._device is not None:
             self._model.to(self._device)
         self._model.eval()
+        self._ready = True
 
     def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
         """The strings the reward model scores, in its own format."""
-        if self._model is None or self._tokenizer is None:
+        if not self._ready:
             self._load()
         out = []
         for p, c in zip(prompts, completions):
