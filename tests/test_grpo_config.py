@@ -60,3 +60,11 @@ def test_colocated_vllm_length_comes_from_the_model_or_fails_naming_the_field():
         colocate_max_model_len(args, model, 8)
     args.vllm_max_model_length = 200
     assert colocate_max_model_len(args, model, 8) == 200
+
+
+@pytest.mark.parametrize("loss_type, warned", [("grpo", False), ("dapo", True), ("bnpo", True)])
+def test_sequence_level_ratios_with_a_token_summed_loss_are_warned(tmp_path, caplog, loss_type, warned):
+    with caplog.at_level("WARNING"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", importance_sampling_level="sequence",
+                   loss_type=loss_type)
+    assert ("weights each sequence by its completion length" in caplog.text) == warned  # TRL's warning

@@ -292,7 +292,7 @@ def test_a_round_where_every_reward_is_none_trains_on_with_zero_advantages(tmp_p
         trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(h["loss"] == 0.0 and h["reward"] == 0.0 for h in logs)
-    assert "got None from every reward function" in caplog.text
+    assert "All reward functions returned None for the following kwargs" in caplog.text  # TRL's warning
 
 
 # ---------------------------------------------------------------------- TRL's API on the trainer
@@ -518,3 +518,24 @@ def test_entropy_coef_is_the_coefficient_in_force(tmp_path):
                        entropy_coef_delta=0.005)
     trainer.train()
     assert trainer.entropy_coef == pytest.approx(0.01 + 2 * 0.005)  # raised once per optimizer step
+
+
+def test_round_metrics_follow_trl(tmp_path):
+    """TRL's length metrics (over the completions as generated, before mask_truncated_completions) and tokens
+    seen; every EOS id the model declares (generation_config) ends a completion, as in TRL and vLLM."""
+    from hf_verl.rollout.base import SamplingParams
+    from hf_verl.rollout.hf_engine import TransformersEngine
+
+    trainer = _trainer(tmp_path, max_steps=1, mask_truncated_completions=True, max_completion_length=3)
+    tok = trainer.processing_class
+    prompt = tok("abc")["input_ids"]
+    first = trainer.engine.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0.0)).completion_ids[0][0]
+    trainer.model.generation_config.eos_token_id = [tok.eos_token_id, first]
+    engine = TransformersEngine(trainer.model, tok)
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert out.completion_ids == [[first]] and out.finish_reasons == ["stop"]
+    trainer.train()
+    log = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert 1 <= log["completions/min_length"] <= log["completions/mean_length"] <= log["completions/max_length"] <= 3
+    assert 0 <= log["completions/mean_terminated_length"] <= 3 and 0 <= log["completions/clipped_ratio"] <= 1
+    assert log["num_tokens"] == trainer.state.num_input_tokens_seen > 0

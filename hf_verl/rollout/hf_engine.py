@@ -77,13 +77,12 @@ class TransformersEngine(RolloutEngine):
         self.batch_size = batch_size
         self.use_generate = use_generate or cache_implementation is not None
         self.cache_implementation = cache_implementation
-        eos = tokenizer.eos_token_id
-        if eos is None:
-            eos = getattr(model.generation_config, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            self.eos_token_ids = set(int(e) for e in eos)
-        else:
-            self.eos_token_ids = set() if eos is None else {int(eos)}
+        # every end-of-sequence id the model declares (an end-of-turn token beside the tokenizer's EOS) ends a
+        # completion, as in TRL and vLLM
+        declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        declared = [] if declared is None else list(declared) if isinstance(declared, (list, tuple)) else [declared]
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        self.eos_token_ids = {int(e) for e in eos + declared}
         pad = tokenizer.pad_token_id
         if pad is None:
             pad = min(self.eos_token_ids) if self.eos_token_ids else 0

@@ -237,6 +237,7 @@ class GRPOTrainer(OnPolicyTrainer):
     # ------------------------------------------------------------------ round
     def _finish_round(self, batch: RolloutBatch, rows, rewards_per_func, timings) -> list[RolloutBatch]:
         args, dims = self.args, self.dims
+        lengths = batch.completion_mask.sum(1)  # logged as generated, before any masking
         if args.mask_truncated_completions:
             batch.completion_mask = batch.completion_mask * (~batch.is_truncated).long().unsqueeze(1)
         local = combine_rewards(rewards_per_func, args.reward_weights)
@@ -286,7 +287,7 @@ class GRPOTrainer(OnPolicyTrainer):
             self.completion_log.record(comm.gather_objects(dims, batch.meta["prompts"]),
                                        comm.gather_objects(dims, batch.meta["completions"]), all_per_func,
                                        comm.gather_rows(dims, adv), self._gathered_log_extra(batch))
-        self._log_common(batch, timings)
+        self._log_common(batch, timings, lengths)
         return micro
 
     def _gathered_log_extra(self, batch: RolloutBatch) -> dict[str, list]:

@@ -516,10 +516,25 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         counts = torch.tensor([float(mb.completion_mask.sum()) for mb in micro], dtype=torch.float64)
         return (comm.reduce(self.dims, counts, "sum") / self.dims.dp_size).tolist()
 
-    def _log_common(self, batch: RolloutBatch, timings: dict[str, float]) -> None:
+    def _log_common(self, batch: RolloutBatch, timings: dict[str, float], lengths: torch.Tensor | None = None) -> None:
+        """Round metrics: TRL's completion lengths over every rank's completions (all of them, and those that
+        ended before the length limit), the timings, the throughput. `lengths`: the completion lengths when the
+        mask no longer tells them (`mask_truncated_completions` zeroed the truncated rows)."""
         m = self._metrics
-        m["completions/mean_length"].append(batch.completion_mask.sum(1).float().mean().item())
-        m["completions/clipped_ratio"].append(batch.is_truncated.float().mean().item())
+        lengths = batch.completion_mask.sum(1) if lengths is None else lengths
+        stats = comm.gather_rows(self.dims, torch.stack([lengths.float(), batch.is_truncated.float()], 1).cpu())
+        lengths, truncated = stats[:, 0], stats[:, 1].bool()
+        m["completions/mean_length"].append(lengths.mean().item())
+        m["completions/min_length"].append(lengths.min().item())
+        m["completions/max_length"].append(lengths.max().item())
+        m["completions/clipped_ratio"].append(truncated.float().mean().item())
+        tokens = comm.reduce(self.dims, batch.prompt_mask.sum().double().cpu(), "sum").item() + lengths.sum().item()
+        self.state.num_input_tokens_seen += int(tokens)  # prompt and completion tokens of every rank (TRL)
+        m["num_tokens"] = [float(self.state.num_input_tokens_seen)]
+        ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1)  # TRL: 0 when every one was cut
+        m["completions/mean_terminated_length"].append(ended.mean().item())
+        m["completions/min_terminated_length"].append(ended.min().item())
+        m["completions/max_terminated_length"].append(ended.max().item())
         for k, v in timings.items():
             m[f"timing_s/{k}"].append(v)
         m["perf/tokens_per_second"].append(batch.num_completion_tokens / max(timings["generate"], 1e-9))

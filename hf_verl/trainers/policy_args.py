@@ -76,11 +76,19 @@ class PolicyLossArguments:
         if self.entropy_coef_delta < 0:
             raise ValueError(f"entropy_coef_delta must be >= 0, got {self.entropy_coef_delta}.")
         self.policy_loss_params().validate()
-        form = self.resolved_policy_loss()
-        if form == "vespo" and self.importance_sampling_level != "token":
-            logger.warning("VESPO weighs whole sequences itself: importance_sampling_level='token' is expected.")
-        if getattr(self, "loss_type", None) == "luspo" and self.importance_sampling_level != "sequence":
-            logger.warning("loss_type='luspo' is meant with importance_sampling_level='sequence'.")
+        # TRL's warnings on pairs that depart from the papers' setups
+        form, level, loss_type = self.resolved_policy_loss(), self.importance_sampling_level, getattr(self, "loss_type", None)
+        if form == "vespo" and level != "token":
+            logger.warning("VESPO computes sequence-level importance weights internally. `importance_sampling_level` "
+                           "should be set to `'token'` (the default).")
+        if loss_type == "luspo" and level != "sequence":
+            logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to "
+                           "mirror the paper's setup.")
+        if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            logger.warning(f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums "
+                           "per-token contributions, which effectively weights each sequence by its completion "
+                           "length instead of optimizing the per-sequence objective. To reproduce the GSPO paper's "
+                           "setup, set `loss_type='grpo'`.")
 
     def policy_loss_params(self) -> PolicyLossParams:
         """The :class:`PolicyLossParams` of this configuration."""
