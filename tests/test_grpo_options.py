@@ -106,8 +106,10 @@ def test_moe_router_aux_loss_is_added_and_a_dense_model_refuses_a_coefficient(tm
 def test_generation_kwargs_override_and_unknown_keys_are_refused(tmp_path):
     trainer, logs, _ = _train(tmp_path, max_steps=1, max_completion_length=6, generation_kwargs={"max_tokens": 2})
     assert trainer._sampling_params().max_new_tokens == 2 and logs[0]["completions/mean_length"] <= 2
-    with pytest.raises(ValueError, match="not supported by hf_verl's engines"):
-        _args(tmp_path, generation_kwargs={"guidance_scale": 2.0})
+    with pytest.raises(ValueError, match="neither sampling settings nor transformers GenerationConfig fields"):
+        _args(tmp_path, generation_kwargs={"guidance_scal": 2.0})
+    with pytest.raises(ValueError, match="not supported by hf_verl's engines"):  # vLLM: sampling settings only
+        _args(tmp_path, generation_kwargs={"num_beams": 2}, use_vllm=True)
     assert _args(tmp_path, generation_kwargs='{"top_k": 3}').generation_kwargs == {"top_k": 3}  # CLI JSON
 
 

@@ -539,3 +539,20 @@ def test_round_metrics_follow_trl(tmp_path):
     assert 1 <= log["completions/min_length"] <= log["completions/mean_length"] <= log["completions/max_length"] <= 3
     assert 0 <= log["completions/mean_terminated_length"] <= 3 and 0 <= log["completions/clipped_ratio"] <= 1
     assert log["num_tokens"] == trainer.state.num_input_tokens_seen > 0
+
+
+def test_transformers_generation_kwargs_reach_generate(tmp_path):
+    """TRL passes generation_kwargs to transformers' GenerationConfig: fields beyond the sampling settings (here
+    beam sampling) go to model.generate, whose completions are then scored by a teacher-forced forward."""
+    from unittest.mock import patch
+
+    from transformers import GenerationMixin
+
+    trainer = _trainer(tmp_path, max_steps=1, generation_kwargs={"do_sample": True, "top_k": 5, "num_beams": 2,
+                                                                  "length_penalty": -0.1})
+    assert trainer._sampling_params().top_k == 5
+    with patch.object(GenerationMixin, "generate", autospec=True, side_effect=GenerationMixin.generate) as gen:
+        trainer.train()
+    assert gen.called and gen.call_args.kwargs["num_beams"] == 2 and gen.call_args.kwargs["length_penalty"] == -0.1
+    log = [h for h in trainer.state.log_history if "loss" in h][0]
+    assert torch.isfinite(torch.tensor(log["loss"])) and log["completions/mean_length"] >= 1

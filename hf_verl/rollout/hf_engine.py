@@ -65,17 +65,22 @@ class TransformersEngine(RolloutEngine):
             of the lean loop (which is used whenever no stop strings are set).
         cache_implementation (`str`, *optional*): ``model.generate``'s KV-cache kind (e.g. ``"static"``);
             setting it decodes with ``model.generate``.
+        generate_kwargs (`dict`, *optional*): more ``model.generate`` arguments (any `GenerationConfig` field:
+            beam search, n-gram blocking, ...); decoding then uses ``model.generate``, and the completions it
+            returns are scored by one teacher-forced forward (beams and processors reorder its logits).
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int | None = None,
-                 use_generate: bool = False, cache_implementation: str | None = None) -> None:
+                 use_generate: bool = False, cache_implementation: str | None = None,
+                 generate_kwargs: dict | None = None) -> None:
         super().__init__()
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}.")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self.use_generate = use_generate or cache_implementation is not None
+        self.generate_kwargs = dict(generate_kwargs or {})
+        self.use_generate = use_generate or cache_implementation is not None or bool(self.generate_kwargs)
         self.cache_implementation = cache_implementation
         # every end-of-sequence id the model declares (an end-of-turn token beside the tokenizer's EOS) ends a
         # completion, as in TRL and vLLM
@@ -283,6 +288,8 @@ class TransformersEngine(RolloutEngine):
             kwargs.update(stop_strings=list(sampling.stop), tokenizer=self.tokenizer)
         if self.cache_implementation is not None:
             kwargs["cache_implementation"] = self.cache_implementation
+        if self.generate_kwargs:
+            kwargs.update(self.generate_kwargs, output_logits=False)  # scored below, teacher-forced
         out = self.model.generate(**kwargs)
 
         sequences = out if isinstance(out, torch.Tensor) else out.sequences

@@ -105,7 +105,8 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossA
     # --- generation
     generation_kwargs: dict | None = field(default=None, metadata=_help(
         "Sampling settings that override the fields above (temperature, top_p, top_k, min_p, repetition_penalty, "
-        "max_tokens / max_new_tokens, stop)."))
+        "max_tokens / max_new_tokens, stop); without vLLM, also any other transformers GenerationConfig field "
+        "(num_beams, no_repeat_ngram_size, ...), passed to model.generate."))
     chat_template_kwargs: dict | None = field(default=None, metadata=_help(
         "Extra keyword arguments of apply_chat_template for conversational prompts (e.g. enable_thinking)."))
     cache_implementation: str | None = field(default=None, metadata=_help(
@@ -199,15 +200,29 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossA
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}.")
         if self.generation_kwargs is not None:
-            from hf_verl.rollout.base import check_generation_kwargs
-
-            check_generation_kwargs(self.generation_kwargs)
+            self._check_generation_kwargs()
         if self.do_eval and self.eval_strategy != "no":
             g = self.num_generations_eval or self.num_generations
             if (self.per_device_eval_batch_size * self.data_parallel_size) % g:
                 raise ValueError(f"per_device_eval_batch_size ({self.per_device_eval_batch_size}) x "
                                  f"{self.data_parallel_size} data-parallel ranks must be divisible by the evaluation "
                                  f"group size ({g}, num_generations_eval or num_generations).")
+
+    def _check_generation_kwargs(self) -> None:
+        """Every engine takes the sampling settings; the transformers engine also any other `GenerationConfig`
+        field (TRL passes generation_kwargs to `GenerationConfig`), which vLLM and servers refuse."""
+        from transformers import GenerationConfig
+
+        from hf_verl.rollout.base import GENERATION_KWARGS, check_generation_kwargs
+
+        if self.use_vllm:
+            check_generation_kwargs(self.generation_kwargs)
+            return
+        fields = set(GenerationConfig().to_dict())
+        unknown = sorted(k for k in self.generation_kwargs if k not in GENERATION_KWARGS and k not in fields)
+        if unknown:
+            raise ValueError(f"generation_kwargs keys {unknown} are neither sampling settings nor transformers "
+                             f"GenerationConfig fields (the sampling settings: {sorted(GENERATION_KWARGS)}).")
 
     def _resolve_generation_batch(self) -> None:
         global_batch = self.per_device_train_batch_size * self.data_parallel_size

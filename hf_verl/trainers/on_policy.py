@@ -49,13 +49,22 @@ from hf_verl.pipeline.tool_rollout import (
 )
 from hf_verl.rewards.callables import RewardCallContext, combine_rewards, reward_func_name
 from hf_verl.rewards.reward_model import RewardModelScorer, resolve_reward_sources
-from hf_verl.rollout.base import RolloutEngine, SamplingParams, apply_generation_kwargs
+from hf_verl.rollout.base import GENERATION_KWARGS, RolloutEngine, SamplingParams, apply_generation_kwargs
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.trainers.completion_log import CompletionLog
 from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
 from hf_verl.trainers.vllm_args import colocate_max_model_len
 
 logger = logging.getLogger(__name__)
+
+
+def split_generation_kwargs(kwargs: dict | None) -> tuple[dict, dict]:
+    """TRL's `generation_kwargs` as `(the sampling settings every engine honours, the rest)`; the rest are
+    `transformers.GenerationConfig` fields (beam search, n-gram blocking, ...) that only the transformers engine
+    takes, passing them to `model.generate` (the config refuses them with vLLM)."""
+    kwargs = dict(kwargs or {})
+    known = {k: v for k, v in kwargs.items() if k in GENERATION_KWARGS}
+    return known, {k: v for k, v in kwargs.items() if k not in known}
 
 
 def _rows(rows: list[dict]) -> list[dict]:
@@ -136,7 +145,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                             async_rollout=getattr(args, "use_async_rollout", False))
         engine_model = self.actor.model if replica is None else replica.to(device)
         self.engine: RolloutEngine = TransformersEngine(
-            engine_model, processing_class, cache_implementation=getattr(args, "cache_implementation", None))
+            engine_model, processing_class, cache_implementation=getattr(args, "cache_implementation", None),
+            generate_kwargs=split_generation_kwargs(getattr(args, "generation_kwargs", None))[1])
         self._metrics: dict[str, list[float]] = defaultdict(list)
         # the Trainer divides each micro-batch loss by the accumulation steps (rows carry no labels)
         self.model_accepts_loss_kwargs = False
@@ -219,7 +229,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                                   min_p=getattr(a, "min_p", None),
                                   repetition_penalty=getattr(a, "repetition_penalty", 1.0),
                                   stop=tuple(getattr(a, "stop", None) or ()))
-        return apply_generation_kwargs(sampling, getattr(a, "generation_kwargs", None))
+        known, _ = split_generation_kwargs(getattr(a, "generation_kwargs", None))
+        return apply_generation_kwargs(sampling, known)
 
     def _max_new_tokens(self) -> int:
         raise NotImplementedError
