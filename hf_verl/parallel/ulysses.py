@@ -258,14 +258,25 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     if shard.size > 1:  # (B, H, L, D) -> (B, H / sp, T, D)
         query, key, value = (all_to_all(t, shard.group, scatter_dim=1, gather_dim=2) for t in (query, key, value))
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=shard.attention_mask(query.device),
-                                         dropout_p=dropout, scale=scaling)
+    out = segment_attention(query, key, value, shard.packed.cu_seqlens.tolist(), dropout=dropout, scaling=scaling)
     if shard.size > 1:  # (B, H / sp, T, D) -> (B, H, L, D)
         out = all_to_all(out, shard.group, scatter_dim=2, gather_dim=1)
     return out.transpose(1, 2).contiguous(), None
+
+
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: list[int], *,
+                      dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+    """Causal attention within each packed segment `[cu_seqlens[i], cu_seqlens[i + 1])` of `(B, H, T, D)` q / k / v,
+    `(B, H, T, D)` out: the block-diagonal causal mask without materialising it. Each segment runs sdpa with
+    `is_causal=True`, which takes the memory-efficient (flash) kernels, so memory grows with T, not T^2."""
+    gqa = query.shape[1] != key.shape[1]  # grouped key/value heads: sdpa reads each for its query group
+    if len(cu_seqlens) == 2:  # one segment
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True,
+                                              enable_gqa=gqa)
+    parts = [F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
+                                            scale=scaling, is_causal=True, enable_gqa=gqa)
+             for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]) if e > s]
+    return torch.cat(parts, dim=2)
 
 
 def register_attention() -> str:
