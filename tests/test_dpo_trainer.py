@@ -160,7 +160,7 @@ def test_bad_inputs(tmp_path, caplog):
     from datasets import IterableDataset
 
     stream = IterableDataset.from_generator(lambda: iter([{"prompt": "a", "chosen": "b", "rejected": "c"}]))
-    with pytest.raises(ValueError, match="precompute_ref_log_probs needs a map-style dataset"):
+    with pytest.raises(ValueError, match="precompute_ref_log_probs=True is not supported with IterableDataset"):
         DPOTrainer(model=_model(tok), args=_args(tmp_path, precompute_ref_log_probs=True), processing_class=tok,
                    train_dataset=stream)
 
@@ -176,3 +176,131 @@ def test_bundled_evaluate_metric_loads_offline(monkeypatch):
         "preference_accuracy": pytest.approx(1 / 3)}  # the tie counts as wrong
     with pytest.raises(ValueError, match="no bundled metric 'nope'"):
         metric_path("nope")
+
+
+# ---------------------------------------------------------------------- TRL's DPOTrainer behaviours (tests/trl_suite)
+def _trainer(tmp_path, tok, **kw):
+    return DPOTrainer(model=_model(tok), args=_args(tmp_path, **kw), train_dataset=_data(2), processing_class=tok)
+
+
+def test_train_dataset_is_required(tmp_path):
+    tok = build_char_tokenizer()
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        DPOTrainer(model=_model(tok), args=_args(tmp_path), processing_class=tok)
+
+
+def test_model_tags_are_trls(tmp_path):
+    trainer = _trainer(tmp_path, build_char_tokenizer())
+    assert {"trl", "dpo", "hf_verl"} <= set(trainer.model.model_tags)
+
+
+def test_evaluate_takes_raw_datasets_and_dicts(tmp_path):
+    from datasets import DatasetDict, IterableDatasetDict
+
+    trainer = _trainer(tmp_path, build_char_tokenizer())
+    raw = _data(1)  # untokenised: prompt / chosen / rejected
+    assert trainer.evaluate(eval_dataset=raw)["eval_loss"] > 0
+    assert trainer.evaluate(eval_dataset=raw.to_iterable_dataset())["eval_loss"] > 0
+    for wrap in (dict, DatasetDict):
+        metrics = trainer.evaluate(eval_dataset=wrap({"a": raw, "b": raw}))
+        assert metrics["eval_a_loss"] == pytest.approx(metrics["eval_b_loss"])
+    metrics = trainer.evaluate(eval_dataset=IterableDatasetDict({"s": raw.to_iterable_dataset()}))
+    assert metrics["eval_s_loss"] > 0
+
+
+def test_eval_dataset_dict_at_init_is_tokenised_per_split(tmp_path):
+    tok = build_char_tokenizer()
+    raw = _data(1)
+    trainer = DPOTrainer(model=_model(tok), args=_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2),
+                         train_dataset=_data(2), eval_dataset={"a": raw, "b": raw.to_iterable_dataset()},
+                         processing_class=tok)
+    assert set(trainer.eval_dataset) == {"a", "b"}
+    assert all("prompt_ids" in next(iter(ds)) for ds in trainer.eval_dataset.values())
+    trainer.train()
+    logged = {k for h in trainer.state.log_history for k in h}
+    assert {"eval_a_loss", "eval_b_loss"} <= logged
+
+
+def test_precompute_refuses_iterable_datasets_wherever_they_are(tmp_path):
+    from datasets import IterableDatasetDict
+
+    tok = build_char_tokenizer()
+    stream = _data(1).to_iterable_dataset()
+    for train, evals in ((stream, None), (_data(1), stream), (_data(1), {"e": stream}),
+                         (_data(1), IterableDatasetDict({"e": stream}))):
+        with pytest.raises(ValueError, match="precompute_ref_log_probs=True is not supported with IterableDataset"):
+            DPOTrainer(model=_model(tok), args=_args(tmp_path, precompute_ref_log_probs=True), train_dataset=train,
+                       eval_dataset=evals, processing_class=tok)
+    trainer = DPOTrainer(model=_model(tok), args=_args(tmp_path, precompute_ref_log_probs=True),
+                         train_dataset=_data(1), processing_class=tok)
+    with pytest.raises(ValueError, match="precompute_ref_log_probs=True is not supported with IterableDataset"):
+        trainer.evaluate(eval_dataset=stream)
+
+
+def test_precompute_without_ref_model_uses_the_untrained_policy(tmp_path, monkeypatch):
+    """No copy of the policy is kept: its log-probs before the first step are the reference. A dataset given to
+    evaluate() before training is scored that way (equal to the live frozen-copy reference); after training it is
+    refused, while the eval set given at init keeps its precomputed values."""
+    monkeypatch.setenv("HF_VERL_CACHE", str(tmp_path / "cache"))
+    tok = build_char_tokenizer()
+    raw = _data(1)
+    live = DPOTrainer(model=_model(tok), args=_args(tmp_path), train_dataset=_data(2), processing_class=tok)
+    pre = DPOTrainer(model=_model(tok), args=_args(tmp_path, precompute_ref_log_probs=True), train_dataset=_data(2),
+                     eval_dataset={"init": raw}, processing_class=tok)
+    assert pre.reference is None and pre.ref_model is None
+    assert pre.evaluate(eval_dataset=raw)["eval_loss"] == pytest.approx(live.evaluate(eval_dataset=raw)["eval_loss"])
+    pre.train()
+    with pytest.raises(ValueError, match="Cannot compute reference log-probs for a dataset passed to"):
+        pre.evaluate(eval_dataset=raw)
+    assert pre.evaluate()["eval_init_loss"] > 0
+
+
+def test_model_by_id_loads_in_float32_unless_told(tmp_path):
+    tok = build_char_tokenizer()
+    path = tmp_path / "ckpt"
+    _model(tok).to(torch.bfloat16).save_pretrained(path)
+    tok.save_pretrained(path)
+
+    def dtype(**kw):
+        trainer = DPOTrainer(model=str(path), args=_args(tmp_path, **kw), train_dataset=_data(1))
+        return trainer.model.dtype, trainer.ref_model.dtype
+
+    assert dtype() == (torch.float32, torch.float32)  # TRL's default, not the checkpoint's bfloat16
+    assert dtype(model_init_kwargs={"dtype": "auto"}) == (torch.bfloat16, torch.bfloat16)
+    assert dtype(model_init_kwargs={"dtype": torch.float16}) == (torch.float16, torch.float16)
+    with pytest.raises(ValueError, match="model_init_kwargs\\['dtype'\\]"):
+        dtype(model_init_kwargs={"dtype": "float8"})
+
+
+def test_per_row_chat_template_kwargs_and_tools(tmp_path):
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% if tools %}{{ tools | length }} tools\n{% endif %}{% if greet %}hi\n{% endif %}"
+                         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    rows = Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": "q"}]] * 3,
+        "chosen": [[{"role": "assistant", "content": "a"}]] * 3,
+        "rejected": [[{"role": "assistant", "content": "b"}]] * 3,
+        "chat_template_kwargs": [{"greet": True}, {"greet": False}, {"greet": False}],
+        "tools": [None, None, '[{"type": "function", "function": {"name": "f"}}]'],  # JSON text, as TRL accepts
+    })
+    trainer = DPOTrainer(model=_model(tok), args=_args(tmp_path), train_dataset=rows, processing_class=tok)
+    prompts = [tok.decode(r["prompt_ids"]) for r in trainer.train_dataset]
+    assert prompts[0].startswith("hi\n<user>q") and prompts[1].startswith("<user>q")
+    assert prompts[2].startswith("1 tools\n<user>q")  # `tools` given as JSON text, as TRL accepts
+
+
+def test_default_collator_is_picklable(tmp_path):
+    import pickle
+
+    trainer = _trainer(tmp_path, build_char_tokenizer())
+    collator = pickle.loads(pickle.dumps(trainer.data_collator))  # dataloader workers under spawn / forkserver
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    assert torch.equal(collator(rows)["input_ids"], trainer.data_collator(rows)["input_ids"])
+
+
+def test_vision_dataset_is_refused(tmp_path):
+    tok = build_char_tokenizer()
+    rows = _data(1).add_column("images", [[]] * 3)
+    with pytest.raises(ValueError, match="vision-related.*vision-language model"):
+        DPOTrainer(model=_model(tok), args=_args(tmp_path), train_dataset=rows, processing_class=tok)

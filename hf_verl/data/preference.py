@@ -2,13 +2,17 @@
 
 Rows hold `prompt`/`chosen`/`rejected` (explicit prompt) or `chosen`/`rejected` only (implicit
 prompt: their shared prefix is the prompt), as text (standard) or as lists of chat messages
-(conversational). Each row becomes `prompt_ids`, `chosen_ids`, `rejected_ids`; a batch of pairs
-becomes one tensor batch of `2B` sequences, chosen rows first, either right-padded or packed
-without padding (position ids restart at each sequence).
+(conversational). Conversational rows may carry `tools` (a list, or its JSON text) and
+`chat_template_kwargs` (a dict), handed to the chat template row by row, as TRL does. Each row
+becomes `prompt_ids`, `chosen_ids`, `rejected_ids`; a batch of pairs becomes one tensor batch of
+`2B` sequences, chosen rows first, either right-padded or packed without padding (position ids
+restart at each sequence), by :class:`PreferenceCollator` (a plain object, so that dataloader
+workers can receive it).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ from hf_verl.data.prompts import is_conversational
 logger = logging.getLogger(__name__)
 
 PAIR_COLUMNS = ("chosen", "rejected")
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
@@ -84,8 +89,13 @@ def tokenize_pair(row: dict, tokenizer, max_length: int | None, truncation_mode:
             raise ValueError(f"row {index}: {name!r} is empty; every pair needs a non-empty chosen and rejected.")
     conversational = is_conversational(prompt) if prompt else isinstance(chosen, list)
     if conversational:
+        tools = row.get("tools")
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+        template_kwargs = dict(row.get("chat_template_kwargs") or {})
+
         def render(messages, gen):
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen,
+                                                 **template_kwargs)
 
         prompt_text = render(prompt, True)
         chosen_full, rejected_full = render(prompt + chosen, False), render(prompt + rejected, False)
@@ -158,3 +168,21 @@ def collate_pairs(pairs: Sequence[TokenizedPair], pad_token_id: int, padding_fre
         attn[r, : len(s)] = 1
         cmask[r, : len(c)] = torch.tensor(c, dtype=torch.long)
     return {"input_ids": ids, "attention_mask": attn, "completion_mask": cmask, "num_sequences": len(seqs)}
+
+
+@dataclass
+class PreferenceCollator:
+    """Rows of `prompt_ids` / `chosen_ids` / `rejected_ids` (and, when precomputed, `ref_chosen_logps` /
+    `ref_rejected_logps`) to one batch of :func:`collate_pairs`, the reference log-probs as `(B,)` tensors."""
+
+    pad_token_id: int
+    padding_free: bool = False
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, rows: Sequence[dict]) -> dict:
+        pairs = [TokenizedPair(list(r["prompt_ids"]), list(r["chosen_ids"]), list(r["rejected_ids"])) for r in rows]
+        batch = collate_pairs(pairs, self.pad_token_id, self.padding_free, self.pad_to_multiple_of)
+        if REF_COLUMNS[0] in rows[0]:
+            for col in REF_COLUMNS:
+                batch[col] = torch.tensor([float(r[col]) for r in rows])
+        return batch

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
+from transformers import AutoTokenizer, Trainer
 
 from hf_verl.algorithms.dpo_losses import (
     combined_dpo_loss,
@@ -29,9 +29,9 @@ from hf_verl.algorithms.dpo_losses import (
     wpo_weights,
 )
 from hf_verl.data.preference import (
-    TokenizedPair,
+    REF_COLUMNS,
+    PreferenceCollator,
     check_preference_columns,
-    collate_pairs,
     tokenize_pair,
 )
 from hf_verl.data.prompts import ensure_pad_token
@@ -40,13 +40,12 @@ from hf_verl.engine.model_options import router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline.prefetch import frozen_copy
 from hf_verl.trainers.dpo_config import DPOConfig
-from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
+from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout, load_pretrained
 from hf_verl.trainers.policy_control import ReferenceMixCallback
 
 logger = logging.getLogger(__name__)
 
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
-REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 _PREFERENCE_METRIC = None
@@ -68,6 +67,10 @@ def preference_accuracy(eval_pred) -> dict[str, float]:
         _PREFERENCE_METRIC = evaluate.load(metric_path("preference_accuracy"))
     preds = np.asarray(eval_pred.predictions, dtype=np.float64)
     return _PREFERENCE_METRIC.compute(chosen_scores=preds[:, 0], rejected_scores=preds[:, 1])
+
+
+def _is_vision_row(row: dict) -> bool:
+    return "image" in row or "images" in row
 
 
 def _weights_digest(model) -> str:
@@ -96,7 +99,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         callbacks, optimizers, peft_config: as in TRL.
     """
 
-    _tag_names = ["hf_verl", "dpo"]
+    _tag_names = ["trl", "dpo", "hf_verl"]  # TRL's tags (Hub model cards), and ours
 
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
@@ -104,14 +107,18 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = DPOConfig(f"{str(name).split('/')[-1]}-DPO")
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required: DPOTrainer trains on preference pairs (prompt / chosen / "
+                             "rejected rows).")
         if ref_model is not None and ref_model is model:
             raise ValueError("`model` and `ref_model` must be different objects; pass ref_model=None for a frozen "
                              "copy (or, with peft, the model with adapters disabled).")
-        load_kwargs = dict(args.model_init_kwargs or {}, trust_remote_code=args.trust_remote_code, use_safetensors=True)
+        self._check_vision(train_dataset, eval_dataset)
+        # by id: TRL's defaults (float32 unless model_init_kwargs names a dtype)
         if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model, **load_kwargs)
+            model = load_pretrained(model, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
         if isinstance(ref_model, str):
-            ref_model = AutoModelForCausalLM.from_pretrained(ref_model, **load_kwargs)
+            ref_model = load_pretrained(ref_model, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
                                                              trust_remote_code=args.trust_remote_code)
@@ -133,7 +140,10 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         if args.gradient_checkpointing:
             model.config.use_cache = False
         self.is_peft = peft_config is not None or hasattr(model, "disable_adapter")
-        if ref_model is None and not self.is_peft:
+        # the reference: the given model; else the base model (adapters disabled) with PEFT; else, when its
+        # log-probs are precomputed, the policy itself before its first step (as TRL: no copy is kept); else a
+        # frozen copy of the policy
+        if ref_model is None and not self.is_peft and not args.precompute_ref_log_probs:
             ref_model = frozen_copy(model)
         elif ref_model is not None:
             ref_model = ref_model.eval().requires_grad_(False)
@@ -147,9 +157,9 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss(model, args.router_aux_loss_coef)
         self._data_stats: dict[str, float] = {}
         train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
-        if eval_dataset is not None:
-            eval_dataset = self._prepare_dataset(eval_dataset, processing_class, args, "eval")
-        super().__init__(model=model, args=args, data_collator=data_collator or self._collate,
+        eval_dataset = self._prepare_eval_dataset(eval_dataset, processing_class, args)
+        super().__init__(model=model, args=args, data_collator=data_collator or PreferenceCollator(
+                             processing_class.pad_token_id, args.padding_free, args.pad_to_multiple_of),
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         if self.ref_model is not None:
@@ -160,18 +170,35 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         self.model_accepts_loss_kwargs = False
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         if args.precompute_ref_log_probs:
-            if self.train_dataset is not None:
-                self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
+            self.train_dataset = self._with_reference_logps(self.train_dataset, "train")
             if self.eval_dataset is not None:
                 self.eval_dataset = self._with_reference_logps(self.eval_dataset, "eval")
-            if peft_config is None:
-                self.ref_model = None  # never used again: free it
         if args.sync_ref_model:
             if self.ref_model is None:
                 raise ValueError("sync_ref_model needs a reference model object; it cannot mix into disabled adapters.")
             self.add_callback(ReferenceMixCallback(self))
 
     # ------------------------------------------------------------------ data
+    @staticmethod
+    def _check_vision(train_dataset, eval_dataset) -> None:
+        """hf_verl's DPO trains text-only causal LMs: refuse image columns up front (TRL's message, with the reason)."""
+        datasets = [train_dataset] + (list(eval_dataset.values()) if isinstance(eval_dataset, dict) else
+                                      [eval_dataset] if eval_dataset is not None else [])
+        for dataset in datasets:
+            columns = getattr(dataset, "column_names", None) or list(next(iter(dataset)).keys())
+            if _is_vision_row(dict.fromkeys(columns)):
+                raise ValueError("The dataset appears to be vision-related (it has an 'image' or 'images' column), "
+                                 "but hf_verl's DPOTrainer trains text-only causal LMs: a vision-language model "
+                                 "is not supported. Drop the image columns or use TRL's DPOTrainer.")
+
+    def _prepare_eval_dataset(self, eval_dataset, tokenizer, args: DPOConfig):
+        """A dataset, or a dict / `DatasetDict` / `IterableDatasetDict` of them (each tokenised as its own split)."""
+        if eval_dataset is None:
+            return None
+        if isinstance(eval_dataset, dict):
+            return {name: self._prepare_dataset(ds, tokenizer, args, name) for name, ds in eval_dataset.items()}
+        return self._prepare_dataset(eval_dataset, tokenizer, args, "eval")
+
     def _prepare_dataset(self, dataset, tokenizer, args: DPOConfig, name: str):
         if dataset is None:
             return None
@@ -180,8 +207,9 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         if isinstance(dataset, IterableDataset):
             if args.precompute_ref_log_probs:
                 raise ValueError(
-                    f"precompute_ref_log_probs needs a map-style dataset to store the log-probs in; the {name} "
-                    "dataset is an IterableDataset. Load it without streaming, or set precompute_ref_log_probs=False."
+                    f"precompute_ref_log_probs=True is not supported with IterableDataset (the {name} dataset): the "
+                    "log-probs are stored as columns of a map-style dataset. Load it without streaming, or set "
+                    "precompute_ref_log_probs=False."
                 )
             columns = dataset.column_names or list(next(iter(dataset)).keys())
         else:
@@ -221,13 +249,31 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         return dataset
 
     def _collate(self, rows: list[dict]) -> dict:
-        pairs = [TokenizedPair(list(r["prompt_ids"]), list(r["chosen_ids"]), list(r["rejected_ids"])) for r in rows]
-        batch = collate_pairs(pairs, self.tokenizer_.pad_token_id, self.args.padding_free,
-                              self.args.pad_to_multiple_of)
-        if REF_COLUMNS[0] in rows[0]:
-            for col in REF_COLUMNS:
-                batch[col] = torch.tensor([float(r[col]) for r in rows])
-        return batch
+        """The default collator (also when a custom `data_collator` is given: the reference pass uses this one)."""
+        return PreferenceCollator(self.tokenizer_.pad_token_id, self.args.padding_free,
+                                  self.args.pad_to_multiple_of)(rows)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """`Trainer.evaluate`, also for a raw dataset (tokenised here, reference log-probs precomputed when
+        `precompute_ref_log_probs`) and for a dict / `DatasetDict` of them (metrics `eval_<name>_*`)."""
+        if eval_dataset is None or isinstance(eval_dataset, str):  # the init-time eval set, already prepared
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        if self.args.precompute_ref_log_probs and self.reference is None and not self.is_peft \
+                and self.state.global_step > 0:
+            raise ValueError(
+                "Cannot compute reference log-probs for a dataset passed to `evaluate()` after training has started: "
+                "with precompute_ref_log_probs=True and no ref_model (full fine-tuning) the reference is the policy "
+                "before its first step, which no longer exists. Give this dataset as `eval_dataset` at "
+                "initialisation, pass an explicit `ref_model`, or set precompute_ref_log_probs=False.")
+        eval_dataset = self._prepare_eval_dataset(eval_dataset, self.tokenizer_, self.args)
+        if self.args.precompute_ref_log_probs:
+            eval_dataset = self._with_reference_logps(eval_dataset, "eval")
+        if isinstance(eval_dataset, dict):
+            metrics = {}
+            for name, dataset in eval_dataset.items():
+                metrics.update(super().evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     # ------------------------------------------------------------------ log-probs
     def _sequence_logps(self, engine: TrainingEngine, batch: dict, with_aux_loss: bool = False,
@@ -276,11 +322,25 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
     def _reference_logps(self, batch: dict) -> torch.Tensor:
         if self.reference is not None:
             return self._sequence_logps(self.reference, batch)[0]
-        with self.actor.adapters_disabled():
+        if self.is_peft:  # the base model: adapters disabled
+            with self.actor.adapters_disabled():
+                return self._sequence_logps(self.actor, batch)[0]
+        # precompute_ref_log_probs without a reference model: the policy is the reference until its first step
+        if self.state.global_step > 0:
+            raise ValueError("no reference model left to score this batch: with precompute_ref_log_probs=True and no "
+                             "ref_model, reference log-probs exist only for the datasets precomputed before training.")
+        was_training = self.actor.module.training
+        self.actor.eval()
+        try:
             return self._sequence_logps(self.actor, batch)[0]
+        finally:
+            self.actor.train(was_training)
 
     def _with_reference_logps(self, dataset, name: str):
-        """Add `ref_chosen_logps` / `ref_rejected_logps` columns, from the on-disk cache when present."""
+        """Add `ref_chosen_logps` / `ref_rejected_logps` columns (to each split of a dict), from the on-disk cache
+        when present."""
+        if isinstance(dataset, dict):
+            return {split: self._with_reference_logps(ds, split) for split, ds in dataset.items()}
         from safetensors.torch import load_file, save_file
         from tqdm.auto import tqdm
 
@@ -298,11 +358,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
             chosen, rejected = [], []
             for start in tqdm(range(0, len(dataset), size), desc=f"Reference log-probs ({name})",
                               disable=not self.is_local_process_zero()):
-                rows = dataset.select(range(start, min(start + size, len(dataset))))
-                batch = collate_pairs([TokenizedPair(list(r["prompt_ids"]), list(r["chosen_ids"]),
-                                                     list(r["rejected_ids"])) for r in rows],
-                                      self.tokenizer_.pad_token_id, self.args.padding_free,
-                                      self.args.pad_to_multiple_of)
+                batch = self._collate(list(dataset.select(range(start, min(start + size, len(dataset))))))
                 batch = {k: v.to(self.accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 logps = self._reference_logps(batch).float().cpu()
                 c, r = logps.chunk(2)
