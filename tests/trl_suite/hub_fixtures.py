@@ -13,8 +13,9 @@ This machine has no Hub, so :func:`build_hub` writes look-alikes that the real l
   The rows are written here from the Zen of Python (`import this`), with the columns and split sizes of TRL's
   (19 rows, `train` 17 / `test` 2).
 
-Vision-language models are not built (their processors need image-token layouts per architecture): tests that
-load them fail on TRL as well and are reported as missing fixtures, not as hf_verl failures.
+The `zen-image` data set (the conversational configs with a random image per row) is built; vision-language
+models are not (their processors need image-token layouts per architecture): tests that load them fail on TRL as
+well and are reported as missing fixtures, not as hf_verl failures.
 """
 
 from __future__ import annotations
@@ -394,14 +395,34 @@ def harmony_preference() -> dict[str, list]:
     }
 
 
-def write_cached_dataset(datasets_dir: Path, repo: str, config_name: str, columns: dict[str, list]) -> None:
+def zen_image_configs() -> dict[str, tuple[dict[str, list], object]]:
+    """`zen-image`: the conversational prompt-only and preference configs, each row with a random RGB `image`
+    (32-63 pixels a side), as (columns, features)."""
+    import numpy as np
+    from datasets import Features, Image, Value
+
+    message = [{"content": Value("string"), "role": Value("string")}]
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, message_columns in (("conversational_prompt_only", ["prompt"]),
+                                  ("conversational_preference", ["prompt", "chosen", "rejected"])):
+        columns = {c: zen_configs()[name][c] for c in message_columns}
+        n = len(columns["prompt"])
+        columns["image"] = [rng.integers(0, 256, size=(*rng.integers(32, 64, size=2), 3), dtype=np.uint8)
+                            for _ in range(n)]
+        out[name] = (columns, Features({**{c: message for c in message_columns}, "image": Image()}))
+    return out
+
+
+def write_cached_dataset(datasets_dir: Path, repo: str, config_name: str, columns: dict[str, list],
+                         features=None) -> None:
     """Write `columns` as the datasets-library cache of `ORG/repo` (config `config_name`), split 17 / 2 like TRL's."""
     from datasets import Dataset, DatasetInfo, SplitDict, SplitInfo
     from datasets.arrow_writer import ArrowWriter
 
-    data = Dataset.from_dict(columns)
+    data = Dataset.from_dict(columns, features=features)
     splits = data.train_test_split(test_size=0.1, shuffle=False)
-    digest = hashlib.sha256(json.dumps(columns, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{repo}/{config_name}/{data._fingerprint}".encode()).hexdigest()[:16]
     out = datasets_dir / f"{ORG}___{repo}" / config_name / "0.0.0" / digest
     out.mkdir(parents=True, exist_ok=True)
     split_dict = SplitDict(dataset_name=repo)
@@ -460,7 +481,9 @@ def build_hub(root: Path, log=print) -> Path:
         write_cached_dataset(datasets_dir, "zen", config_name, columns)
     write_cached_dataset(datasets_dir, "toolcall", "preference", toolcall_preference())
     write_cached_dataset(datasets_dir, "harmony", "preference", harmony_preference())
-    log(f"datasets: zen ({len(zen_configs())} configs), toolcall, harmony")
+    for config_name, (columns, features) in zen_image_configs().items():
+        write_cached_dataset(datasets_dir, "zen-image", config_name, columns, features)
+    log(f"datasets: zen ({len(zen_configs())} configs), zen-image, toolcall, harmony")
     try:
         staging.rename(hf_home)
     except OSError:  # another run finished the same build first

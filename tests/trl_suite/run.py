@@ -13,7 +13,7 @@ own markers), a per-test timeout, JUnit XML; (5) write `results.json` (per-test 
 `summary.md` (tests passing on TRL; of those, passing on hf_verl; each hf_verl failure with its first error line).
 
 `--target hf_verl` reuses the TRL side stored by an earlier run in the same `--out` (TRL's results do not
-change while hf_verl is being fixed). Not part of hf_verl's own test set: nothing here is named `test_*`.
+change while hf_verl is being fixed); a run with `-k` updates the stored results of the tests it ran. Not part of hf_verl's own test set: nothing here is named `test_*`.
 """
 
 from __future__ import annotations
@@ -46,9 +46,8 @@ markers =
     invariant: training-invariant checks
 """
 # an error line saying a Hub repository is not in the offline hub (a fixture this harness does not build)
-MISSING_FIXTURE = re.compile(r"(trl-internal-testing/[\w.-]+|[\w-]+/[\w.-]+).*(offline|couldn't connect|not cached|"
-                             r"Couldn't find cache|LocalEntryNotFound|is not a local folder)|OfflineModeIsEnabled|"
-                             r"Couldn't reach .* on the Hub", re.IGNORECASE)
+MISSING_FIXTURE = re.compile(r"couldn't connect to 'https://huggingface\.co'|Couldn't reach '[^']*' on the Hub|"
+                             r"OfflineModeIsEnabled|LocalEntryNotFoundError|Couldn't find cache for", re.IGNORECASE)
 
 
 # ----------------------------------------------------------------------------------------------- TRL sources
@@ -163,11 +162,12 @@ def lay_out(src: TrlSource, suite: str, target: str, root: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- running
 def run_pytest(root: Path, suite: str, hf_home: Path, xml: Path, log: Path, keyword: str | None,
-               timeout: int, extra: list[str]) -> int:
+               timeout: int, extra: list[str], hf_verl_src: Path) -> int:
     env = dict(os.environ, **offline_env(hf_home))
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(hf_verl_src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["HF_VERL_CACHE"] = str(root / "hf_verl_cache")  # precomputed reference log-probs: never shared between runs
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", "1")  # tiny models: threads only contend on a shared 2-core machine
     env.pop("PYTEST_ADDOPTS", None)
     cmd = [sys.executable, "-m", "pytest", f"tests/test_{suite}_trainer.py", "-p", "no:cacheprovider",
            "-m", "not slow and not low_priority", "-q", "-rN", f"--timeout={timeout}", f"--junitxml={xml}",
@@ -233,7 +233,7 @@ def summarize(suite: str, meta: dict, trl: dict, ours: dict) -> tuple[dict, str]
               "not_passing_on_trl": len(not_on_trl), "passed_on_hf_verl_only": len(only_ours)}
     lines = [f"# TRL `{suite}` suite against hf_verl", "",
              f"TRL test files: {meta['trl_src']} @ {meta['trl_ref']} (VERSION {meta['trl_tests_version']}); "
-             f"installed trl {meta['trl_installed']}; run {meta['date']}.", "",
+             f"installed trl {meta['trl_installed']}; hf_verl from {meta['hf_verl_src']}; run {meta['date']}.", "",
              f"Import line(s) changed for hf_verl: {'; '.join(meta['rewritten']) or '(none)'}", "",
              "| | count |", "|---|---|"]
     lines += [f"| {k.replace('_', ' ')} | {v} |" for k, v in counts.items()]
@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="results directory (default $TMPDIR/trl_suite/<suite>)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test (pytest-timeout)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary test trees")
+    parser.add_argument("--hf-verl-src", default=str(REPO),
+                        help="the hf_verl source tree to test (default this checkout; e.g. a `git archive` of a "
+                             "commit, for a before / after comparison)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
@@ -287,14 +290,19 @@ def main(argv: list[str] | None = None) -> int:
         xml, log = out / f"{target}.xml", out / f"{target}.log"
         start = time.time()
         print(f"[{target}] running pytest (log: {log})", flush=True)
-        run_pytest(root, args.suite, hf_home, xml, log, args.keyword, args.timeout, args.pytest_args)
+        run_pytest(root, args.suite, hf_home, xml, log, args.keyword, args.timeout, args.pytest_args,
+                   Path(args.hf_verl_src).resolve())
         if not xml.exists():
             print(f"[{target}] pytest wrote no report; see {log}", flush=True)
             return 2
         results[target] = parse_junit(xml)
-        (out / f"{target}.json").write_text(json.dumps(results[target], indent=1))
         passed = sum(r["outcome"] == "passed" for r in results[target].values())
         print(f"[{target}] {passed}/{len(results[target])} passed in {time.time() - start:.0f}s", flush=True)
+        stored = out / f"{target}.json"
+        merged = dict(results[target])
+        if args.keyword and stored.exists():  # a subset updates the stored full run, test by test
+            merged = {**json.loads(stored.read_text()), **merged}
+        stored.write_text(json.dumps(merged, indent=1))
     for target in ("trl", "hf_verl"):
         if target not in results:
             stored = out / f"{target}.json"
@@ -308,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         _, rewritten = rewrite_imports(src.read(f"tests/test_{args.suite}_trainer.py"))
     meta = {"trl_src": str(src.path), "trl_ref": src.ref, "trl_commit": src.commit,
             "trl_tests_version": src.version, "trl_installed": importlib.metadata.version("trl"),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "rewritten": rewritten, "keyword": args.keyword}
+            "date": time.strftime("%Y-%m-%d %H:%M"), "rewritten": rewritten, "keyword": args.keyword,
+            "hf_verl_src": str(Path(args.hf_verl_src).resolve())}
     ours = results["hf_verl"]
     trl = {n: r for n, r in results["trl"].items() if n in ours} if args.keyword else results["trl"]
     data, markdown = summarize(args.suite, meta, trl, ours)
