@@ -148,7 +148,15 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         elif ref_model is not None:
             ref_model = ref_model.eval().requires_grad_(False)
         self.ref_model = ref_model
-        backend, dims = launch_layout(args.world_size)
+        backend, dims = launch_layout(args.world_size, args.sequence_parallel_size)
+        if dims.sp > 1:
+            unsupported = [name for name, on in (("use_weighting", args.use_weighting),
+                                                 ("router_aux_loss_coef", router_aux_loss(model, args.router_aux_loss_coef)[1]),
+                                                 ("padding_free", args.padding_free)) if on]
+            if unsupported:
+                raise ValueError(f"sequence_parallel_size={dims.sp} is not supported with {unsupported}: the "
+                                 "sequence-parallel path packs the pairs itself and computes token log-probs and mean "
+                                 "logits only; turn those off or use sequence_parallel_size=1.")
         if args.sync_ref_model and backend.kind == "deepspeed" and backend.zero_stage == 3:
             raise ValueError("sync_ref_model (TR-DPO) mixes policy weights into the reference, which ZeRO-3 keeps "
                              "partitioned in separate engines: use ZeRO-1/2, DDP or FSDP2, or sync_ref_model=False.")
@@ -276,11 +284,19 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     # ------------------------------------------------------------------ log-probs
+    def get_train_dataloader(self):
+        return self._over_data_parallel_ranks(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._over_data_parallel_ranks(super().get_eval_dataloader(eval_dataset))
+
     def _sequence_logps(self, engine: TrainingEngine, batch: dict, with_aux_loss: bool = False,
                         with_wpo: bool = False):
         """Summed completion log-probs (LD-DPO-weighted with `ld_alpha`), mean completion logits and token counts
         per sequence `(2B,)`; with `with_aux_loss` also the router load-balancing loss of the forward, with
         `with_wpo` also the WPO pair weights `(B,)` (appended in that order)."""
+        if engine.dims.sp > 1:
+            return self._sequence_parallel_logps(engine, batch)
         ids = batch["input_ids"]
         select = torch.zeros_like(ids, dtype=torch.bool)
         select[:, :-1] = batch["completion_mask"][:, 1:].bool()
@@ -317,6 +333,26 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         if with_wpo:
             out.append(wpo_weights(stats.logp, stats.log_sum_sq, owner, n))
         return tuple(out)
+
+    def _sequence_parallel_logps(self, engine: TrainingEngine, batch: dict):
+        """:meth:`_sequence_logps` with the sequences split over the sequence-parallel group: each padded row
+        becomes (prompt, completion) token lists, packed padding-free by the engine."""
+        ids, real, comp = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
+        prompts = [row[r & ~c].tolist() for row, r, c in zip(ids, real, comp)]
+        completions = [row[c].tolist() for row, c in zip(ids, comp)]
+        logp, mean_logit = engine.rows_logprobs(prompts, completions, chunk_size=self.args.logprob_chunk_size,
+                                                with_mean_logit=True)
+        mask = torch.zeros_like(logp, dtype=torch.bool)
+        for i, c in enumerate(completions):
+            mask[i, : len(c)] = True
+        n = len(completions)
+        if self.args.ld_alpha is not None:
+            owner = torch.arange(n, device=logp.device).unsqueeze(1).expand_as(mask)[mask]
+            weights = torch.zeros_like(logp)
+            weights[mask] = ld_token_weights(owner, n, self.args.ld_alpha).to(logp.dtype)
+            logp = logp * weights
+        counts = mask.sum(1).to(logp.dtype)
+        return logp.sum(1), mean_logit.float().sum(1) / counts.clamp(min=1), counts
 
     @torch.no_grad()
     def _reference_logps(self, batch: dict) -> torch.Tensor:
