@@ -10,16 +10,7 @@ from datasets import Dataset
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.grpo_trainer import GRPOTrainer
 from tests.conftest import build_char_tokenizer
-
-
-def _model(tok):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id)
-    return Qwen2ForCausalLM(cfg)
+from tests.test_grpo_trainer import _model
 
 
 def _args(tmp_path, **kw):

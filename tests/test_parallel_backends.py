@@ -91,18 +91,23 @@ def test_sharded_run_equals_one_process(baselines, tmp_path, backend, algo):
     assert got["param_type"] == param_type and got["zero3_partitioned"] == (backend == "zero3")
     if algo != "facade":  # the trainers also export their sharded weights before training
         assert got["export_names_match"] and got["export_max_error"] == 0.0
+    assert_same_run(want, got, baselines[algo], tmp_path, algo)
+    initial = _initial_actor()
+    trained = _weights(tmp_path, "")
+    assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4  # the run did train
+
+
+def assert_same_run(want: dict, got: dict, want_dir: Path, got_dir: Path, algo: str) -> None:
+    """Two parity runs agree: their 3 logged losses, extra metrics and final weights (actor, and critic)."""
     assert len(got["losses"]) == 3
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
     for key, values in want["extra"].items():
         assert got["extra"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
     for sub in ([""] + (["critic"] if algo in ("ppo", "facade") else [])):
-        a, b = _weights(baselines[algo], sub), _weights(tmp_path, sub)
+        a, b = _weights(want_dir, sub), _weights(got_dir, sub)
         assert set(a) == set(b)
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         assert worst < 2e-5, (sub, worst)
-    initial = _initial_actor()
-    trained = _weights(tmp_path, "")
-    assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4  # the run did train
 
 
 def _initial_actor() -> dict:
