@@ -40,12 +40,12 @@ VOCAB_WORDS = 8192
 CONTENDERS = ("hf_verl", "hf_verl_padding_free", "trl", "trl_padding_free")
 
 
-def build_word_tokenizer():
-    """Word-level tokenizer over ``w0 .. w8191`` (whitespace split), with <pad> and <eos>."""
+def build_word_tokenizer(words: int = VOCAB_WORDS):
+    """Word-level tokenizer over ``w0 .. w{words-1}`` (whitespace split), with <pad> and <eos>."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     specials = ["<pad>", "<eos>"]
-    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(VOCAB_WORDS)])}
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(words)])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")

@@ -1,0 +1,210 @@
+"""A benchmark matrix: hf_verl's GRPOTrainer and DPOTrainer against TRL 1.16's, cell by cell.
+
+Each cell is one configuration (vocabulary, model width/depth, prompt and completion lengths with a
+spread, group size, batch size). For each cell the two trainers run as fresh subprocesses of this
+script, interleaved pair by pair (A B, then B A, ...), on the same seeded model, tokenizer, data,
+reward and config; each run reports optimizer steps per second (first step excluded) and peak RSS
+(``ru_maxrss``, which sees torch's allocator). Per cell the script prints the median of the
+per-pair ratios (hf_verl / TRL) for steps/s and peak memory, and at the end the median and worst
+cell per algorithm. Measure only on a quiet machine: two CPU-heavy processes on 2 cores slow each
+other 10x-60x.
+
+Usage:
+  python benchmarks/matrix.py [--algo grpo|dpo|all] [--cells g1,g2,...] [--pairs 3] [--steps N]
+                              [--json out.json] [--smoke]
+``--smoke`` runs every cell for 2 steps, once, without timing claims (a check that the cells build).
+Needs `pip install trl==1.16.0` (benchmark only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import StepTimer, current_rss_mib, peak_rss_mib  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of the matrix."""
+
+    name: str
+    algo: str  # "grpo" or "dpo"
+    vocab: int  # words in the tokenizer (+2 specials)
+    hidden: int
+    layers: int
+    prompt_words: tuple[int, int]  # prompt length range, tokens (uniform)
+    answer_words: tuple[int, int]  # GRPO: max_completion_length is the upper bound; DPO: chosen/rejected range
+    group: int  # GRPO num_generations (DPO: unused)
+    batch: int  # per_device_train_batch_size
+    steps: int  # timed steps per run (the first is excluded)
+
+
+CELLS = [
+    # GRPO: vocabulary x width/depth x lengths x group/batch
+    Cell("g1", "grpo", 100, 128, 2, (2, 6), (0, 16), 8, 16, 20),  # the shape the code was tuned on
+    Cell("g2", "grpo", 32000, 128, 2, (2, 6), (0, 16), 8, 16, 12),  # big vocabulary: the LM head dominates
+    Cell("g3", "grpo", 100, 256, 4, (10, 60), (0, 64), 4, 8, 8),  # deeper, longer completions
+    Cell("g4", "grpo", 32000, 256, 4, (10, 60), (0, 48), 4, 16, 6),
+    Cell("g5", "grpo", 8000, 64, 2, (5, 20), (0, 128), 16, 32, 5),  # big groups, long completions
+    Cell("g6", "grpo", 100, 128, 2, (50, 250), (0, 32), 8, 16, 10),  # long prompts with a wide spread
+    Cell("g7", "grpo", 32000, 384, 2, (20, 80), (0, 32), 2, 8, 8),  # small groups, wide model
+    Cell("g8", "grpo", 8000, 128, 6, (10, 40), (0, 48), 8, 8, 8),  # deep, narrow
+    # DPO
+    Cell("d1", "dpo", 8192, 128, 2, (10, 60), (10, 60), 0, 8, 20),  # the shape the code was tuned on
+    Cell("d2", "dpo", 100, 128, 2, (10, 60), (10, 60), 0, 8, 20),  # tiny vocabulary
+    Cell("d3", "dpo", 32000, 256, 4, (10, 60), (10, 60), 0, 8, 8),
+    Cell("d4", "dpo", 8192, 128, 2, (50, 250), (50, 250), 0, 4, 10),  # long rows, wide spread
+    Cell("d5", "dpo", 8192, 384, 2, (5, 20), (5, 20), 0, 16, 12),  # short rows, wide model
+    Cell("d6", "dpo", 100, 64, 6, (20, 100), (20, 100), 0, 8, 12),  # deep, narrow, small vocabulary
+    Cell("d7", "dpo", 32000, 128, 2, (5, 200), (5, 200), 0, 8, 8),  # extreme spread
+    Cell("d8", "dpo", 8192, 256, 2, (10, 60), (10, 60), 0, 32, 5),  # big batch
+]
+
+
+def model_for(cell: Cell, tok):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    heads = max(2, cell.hidden // 32)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=cell.hidden, intermediate_size=2 * cell.hidden,
+                                        num_hidden_layers=cell.layers, num_attention_heads=heads,
+                                        num_key_value_heads=heads // 2, vocab_size=len(tok),
+                                        max_position_embeddings=1024, tie_word_embeddings=False,
+                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+
+
+def _text(rng, vocab, lo, hi):
+    return " ".join(f"w{rng.randrange(vocab)}" for _ in range(rng.randint(max(lo, 1), hi)))
+
+
+def distinct_words(completions, **kwargs):
+    """A cheap rule reward with spread: the number of distinct words."""
+    return [float(len(set(c.split()))) for c in completions]
+
+
+def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
+    from datasets import Dataset
+
+    rng = random.Random(0)
+    from dpo_step import build_word_tokenizer
+
+    tok = build_word_tokenizer(cell.vocab)
+    model = model_for(cell, tok)
+    common = dict(output_dir=out, use_cpu=True, report_to=[], max_steps=steps, logging_steps=1000,
+                  per_device_train_batch_size=cell.batch, gradient_checkpointing=False, bf16=False,
+                  save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    if cell.algo == "grpo":
+        if which == "hf_verl":
+            from hf_verl import GRPOConfig, GRPOTrainer
+        else:
+            from trl import GRPOConfig, GRPOTrainer
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.generation_config.eos_token_id = tok.eos_token_id
+        prompts = [_text(rng, cell.vocab, *cell.prompt_words) for _ in range(256)]
+        args = GRPOConfig(**common, num_generations=cell.group, max_completion_length=cell.answer_words[1],
+                          learning_rate=1e-4, beta=0.0)
+        return GRPOTrainer(model=model, reward_funcs=distinct_words, args=args, processing_class=tok,
+                           train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=callbacks)
+    import copy
+
+    if which == "hf_verl":
+        from hf_verl import DPOConfig, DPOTrainer
+    else:
+        from trl import DPOConfig, DPOTrainer
+    rows = [{"prompt": _text(rng, cell.vocab, *cell.prompt_words),
+             "chosen": " " + _text(rng, cell.vocab, *cell.answer_words),
+             "rejected": " " + _text(rng, cell.vocab, *cell.answer_words)} for _ in range(512)]
+    max_length = cell.prompt_words[1] + cell.answer_words[1] + 4  # no row is truncated
+    args = DPOConfig(**common, learning_rate=1e-5, max_length=max_length, loss_type=["sigmoid"])
+    return DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, processing_class=tok,
+                      train_dataset=Dataset.from_list(rows), callbacks=callbacks)
+
+
+def child(cell: Cell, which: str, steps: int) -> None:
+    """One timed run in this (fresh) process; prints one JSON line."""
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = build_trainer(cell, which, steps, out, [timer])
+        rss0 = current_rss_mib()
+        trainer.train()
+        elapsed = time.perf_counter() - timer.t0
+    peak = peak_rss_mib()
+    print(json.dumps({"run": which, "cell": cell.name, "steps_per_s": timer.steps / elapsed, "peak_rss_mib": peak,
+                      "delta_mib": peak - rss0}))
+
+
+def spawn(cell: Cell, which: str, steps: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", which, "--cells", cell.name, "--steps", str(steps)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{cell.name} {which} failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def measure(cell: Cell, pairs: int, steps: int) -> dict:
+    """Interleaved pairs; per-pair ratios; medians."""
+    runs = {"hf_verl": [], "trl": []}
+    for i in range(pairs):
+        order = ("hf_verl", "trl") if i % 2 == 0 else ("trl", "hf_verl")
+        for which in order:
+            runs[which].append(spawn(cell, which, steps))
+    speed = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs["hf_verl"], runs["trl"])]
+    memory = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(runs["hf_verl"], runs["trl"])]
+    return {"cell": asdict(cell), "runs": runs, "speed_ratios": speed, "memory_ratios": memory,
+            "speed_median": statistics.median(speed), "memory_median": statistics.median(memory),
+            "hf_verl_sps": statistics.median(r["steps_per_s"] for r in runs["hf_verl"]),
+            "trl_sps": statistics.median(r["steps_per_s"] for r in runs["trl"])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--algo", choices=["grpo", "dpo", "all"], default="all")
+    p.add_argument("--cells", default=None, help="comma-separated cell names (default: every cell of --algo)")
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="override every cell's step count")
+    p.add_argument("--json", default=None, help="write every run and ratio here")
+    p.add_argument("--smoke", action="store_true", help="2 steps per run, one pair: a build check, no figures")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    cells = [c for c in CELLS if a.algo in ("all", c.algo)]
+    if a.cells:
+        wanted = set(a.cells.split(","))
+        cells = [c for c in CELLS if c.name in wanted]
+    if a.child:
+        child(cells[0], a.child, a.steps or cells[0].steps)
+        return
+    results = []
+    for cell in cells:
+        steps = 3 if a.smoke else (a.steps or cell.steps)
+        r = measure(cell, 1 if a.smoke else a.pairs, steps)
+        results.append(r)
+        print(f"{cell.name} {cell.algo} vocab={cell.vocab} h={cell.hidden} L={cell.layers} prompt={cell.prompt_words} "
+              f"answer={cell.answer_words} G={cell.group} B={cell.batch}: hf_verl {r['hf_verl_sps']:.3f} steps/s, "
+              f"trl {r['trl_sps']:.3f}: speed x{r['speed_median']:.2f} "
+              f"(pairs {', '.join(f'{x:.2f}' for x in r['speed_ratios'])}), peak RSS x{r['memory_median']:.2f}",
+              flush=True)
+    for algo in ("grpo", "dpo"):
+        mine = [r for r in results if r["cell"]["algo"] == algo]
+        if mine:
+            speeds = [r["speed_median"] for r in mine]
+            worst = min(mine, key=lambda r: r["speed_median"])
+            print(f"{algo}: median x{statistics.median(speeds):.2f}, worst x{worst['speed_median']:.2f} "
+                  f"({worst['cell']['name']}), peak RSS worst x{max(r['memory_median'] for r in mine):.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
