@@ -556,3 +556,19 @@ def test_transformers_generation_kwargs_reach_generate(tmp_path):
     assert gen.called and gen.call_args.kwargs["num_beams"] == 2 and gen.call_args.kwargs["length_penalty"] == -0.1
     log = [h for h in trainer.state.log_history if "loss" in h][0]
     assert torch.isfinite(torch.tensor(log["loss"])) and log["completions/mean_length"] >= 1
+
+
+def test_a_lora_adapter_on_the_lm_head_trains(tmp_path):
+    """TRL 1.16 refuses an adapter on lm_head (its fused LM head reads lm_head.weight and would never train it);
+    hf_verl computes the log-probs through the head module, so the adapter trains like any other."""
+    from peft import LoraConfig
+
+    tok = build_char_tokenizer()
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=count_a, processing_class=tok,
+                          train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}),
+                          args=_args(tmp_path, max_steps=2, learning_rate=0.05),
+                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    head = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lm_head.lora_B" in n}
+    assert head
+    trainer.train()
+    assert all(not torch.equal(p, head[n]) for n, p in trainer.model.named_parameters() if n in head)
