@@ -304,3 +304,32 @@ def test_vision_dataset_is_refused(tmp_path):
     rows = _data(1).add_column("images", [[]] * 3)
     with pytest.raises(ValueError, match="vision-related.*vision-language model"):
         DPOTrainer(model=_model(tok), args=_args(tmp_path), train_dataset=rows, processing_class=tok)
+
+
+def test_peft_model_with_its_own_adapter_is_its_reference(tmp_path):
+    """A PeftModel passed in (say an SFT LoRA) is the reference with that adapter, as in TRL: a frozen copy of the
+    adapter named "ref", not the bare base model."""
+    from peft import LoraConfig, get_peft_model
+
+    tok = build_char_tokenizer()
+    model = get_peft_model(_model(tok), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # a trained-looking adapter: B no longer zero
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    trainer = DPOTrainer(model=model, args=_args(tmp_path, max_steps=2), train_dataset=_data(), processing_class=tok)
+    assert "ref" in trainer.model.peft_config
+    batch = trainer._prepare_inputs(trainer._collate([trainer.train_dataset[i] for i in range(4)]))
+    with torch.no_grad():
+        policy = trainer._sequence_logps(trainer.actor, batch)[0]
+        with trainer.actor.adapters_disabled():
+            base = trainer._sequence_logps(trainer.actor, batch)[0]
+    reference = trainer._reference_logps(batch)
+    assert torch.allclose(reference, policy, atol=1e-6) and not torch.allclose(reference, base, atol=1e-3)
+    ref_before = {n: p.detach().clone() for n, p in model.named_parameters() if ".ref." in n}
+    default_before = {n: p.detach().clone() for n, p in model.named_parameters() if ".default." in n}
+    trainer.train()
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], p) and not params[n].requires_grad for n, p in ref_before.items())
+    assert any(not torch.equal(params[n], p) for n, p in default_before.items())
+    assert all(params[n].requires_grad for n in default_before)

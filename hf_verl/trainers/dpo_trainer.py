@@ -69,6 +69,36 @@ def preference_accuracy(eval_pred) -> dict[str, float]:
     return _PREFERENCE_METRIC.compute(chosen_scores=preds[:, 0], rejected_scores=preds[:, 1])
 
 
+REF_ADAPTER = "ref"
+
+
+def _add_reference_adapter(model) -> str:
+    """Add to a PEFT model a frozen copy of its active adapter, named `REF_ADAPTER`; returns that name."""
+    active = model.active_adapter
+    model.add_adapter(REF_ADAPTER, model.peft_config[active])
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if f".{active}." in name:
+                params[name.replace(f".{active}.", f".{REF_ADAPTER}.")].copy_(param)
+    for name, param in params.items():
+        if f".{REF_ADAPTER}." in name:
+            param.requires_grad_(False)
+    return REF_ADAPTER
+
+
+@contextlib.contextmanager
+def _active_adapter(model, name: str):
+    """Score with adapter `name` of a PEFT model (frozen meanwhile), then make the previous one active and
+    trainable again (PEFT's set_adapter freezes the adapters it deactivates)."""
+    previous = model.active_adapter
+    model.set_adapter(name, inference_mode=True)
+    try:
+        yield
+    finally:
+        model.set_adapter(previous)
+
+
 def _is_vision_row(row: dict) -> bool:
     return "image" in row or "images" in row
 
@@ -140,6 +170,11 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         if args.gradient_checkpointing:
             model.config.use_cache = False
         self.is_peft = peft_config is not None or hasattr(model, "disable_adapter")
+        # a model that comes with its adapter (e.g. an SFT LoRA) is its own reference, adapter included, as in TRL:
+        # a frozen copy of that adapter, named "ref", scores the reference (one adapter of memory, not a model)
+        self._ref_adapter = None
+        if self.is_peft and peft_config is None and ref_model is None:
+            self._ref_adapter = _add_reference_adapter(model)
         # the reference: the given model; else the base model (adapters disabled) with PEFT; else, when its
         # log-probs are precomputed, the policy itself before its first step (as TRL: no copy is kept); else a
         # frozen copy of the policy
@@ -358,6 +393,9 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
     def _reference_logps(self, batch: dict) -> torch.Tensor:
         if self.reference is not None:
             return self._sequence_logps(self.reference, batch)[0]
+        if self._ref_adapter is not None:  # the adapter the model came with, frozen
+            with _active_adapter(self.model, self._ref_adapter):
+                return self._sequence_logps(self.actor, batch)[0]
         if self.is_peft:  # the base model: adapters disabled
             with self.actor.adapters_disabled():
                 return self._sequence_logps(self.actor, batch)[0]
