@@ -507,6 +507,7 @@ def test_an_environment_can_own_the_data(tmp_path):
                     environment_factory={"a": Quiz, "b": Quiz}, args=tool_args(tmp_path))
     trainer = GRPOTrainer(model=_bigram_llama(tok), reward_funcs=answered, processing_class=tok,
                           environment_factory=Quiz, args=tool_args(tmp_path, max_steps=2))
+    assert [t.__name__ for t in trainer.tools] == ["add"]  # TRL's attribute: the environment's methods
     trainer.train()
     assert len(seen) == 16 and set(seen) == {"what is 2+3? (use the add tool)"}
     assert all(h["tools/call_frequency"] > 0 for h in trainer.state.log_history if "loss" in h)

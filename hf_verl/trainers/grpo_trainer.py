@@ -17,14 +17,19 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_verl.algorithms.advantages import gdpo_advantages, grpo_advantages
-from hf_verl.algorithms.policy_losses import entropy_quantile, high_entropy_mask, off_policy_sequence_mask
+from hf_verl.algorithms.policy_losses import (
+    entropy_quantile,
+    high_entropy_mask,
+    off_policy_sequence_mask,
+)
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.model_options import cast_lm_head_to_fp32, router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline import losses, phases
-from hf_verl.pipeline.tool_rollout import ToolRollout
+from hf_verl.pipeline.tool_rollout import ENVIRONMENT_COLUMN, ToolRollout
 from hf_verl.rewards.callables import combine_rewards
 from hf_verl.rewards.reward_model import align_processing_classes
+from hf_verl.rollout.tools import environment_tools
 from hf_verl.trainers.engine_glue import load_pretrained
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.on_policy import OnPolicyTrainer
@@ -192,6 +197,22 @@ class GRPOTrainer(OnPolicyTrainer):
         if self.args.reward_weights is not None:
             return torch.tensor(self.args.reward_weights, dtype=torch.float32)
         return torch.ones(len(self.reward_funcs), dtype=torch.float32)
+
+    @property
+    def tools(self) -> list:
+        """TRL's attribute: the tools a rollout may call, the shared `tools` and each environment's methods."""
+        rollout = self._tool_rollout
+        if rollout is None:
+            return []
+        tools = list(rollout.tools)
+        for name in rollout.factories or {}:
+            rows = [{ENVIRONMENT_COLUMN: name}] if rollout.multi_environment else [{}]
+            environments = rollout.take_environments(rows)  # a pooled instance, given back at once
+            try:
+                tools += [t for t in environment_tools(environments[0]) if t.__name__ not in {u.__name__ for u in tools}]
+            finally:
+                rollout.release(environments, rows)
+        return tools
 
     @property
     def entropy_coef(self) -> float:

@@ -47,9 +47,18 @@ from hf_verl.pipeline.tool_rollout import (
     tool_frequencies,
     tool_metrics,
 )
-from hf_verl.rewards.callables import RewardCallContext, combine_rewards, reward_func_name
+from hf_verl.rewards.callables import (
+    RewardCallContext,
+    combine_rewards,
+    reward_func_name,
+)
 from hf_verl.rewards.reward_model import RewardModelScorer, resolve_reward_sources
-from hf_verl.rollout.base import GENERATION_KWARGS, RolloutEngine, SamplingParams, apply_generation_kwargs
+from hf_verl.rollout.base import (
+    GENERATION_KWARGS,
+    RolloutEngine,
+    SamplingParams,
+    apply_generation_kwargs,
+)
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.trainers.completion_log import CompletionLog
 from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
