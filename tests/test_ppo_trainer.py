@@ -178,3 +178,11 @@ def test_async_rollout_with_a_critic(tmp_path):
     stale = [h["rollout/staleness"] for h in trainer.state.log_history if "rollout/staleness" in h]
     assert stale == [0.0, 1.0]  # 8 steps = 2 rounds of 2 epochs x 2 mini-batches
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_ppo_config_takes_output_dir_positionally():
+    """TrainingArguments' first positional argument is output_dir; the mixins' fields must not come first."""
+    from hf_verl import PPOConfig
+
+    args = PPOConfig("some_dir", report_to=[], use_cpu=True)
+    assert args.output_dir == "some_dir"

@@ -42,7 +42,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class PPOConfig(TrainingArguments, VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossArguments):
+class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossArguments, TrainingArguments):
     """Configuration of :class:`~hf_verl.PPOTrainer` (a `transformers.TrainingArguments`).
 
     TRL's fields keep their names and defaults: `num_ppo_epochs=4`, `num_mini_batches=1`,
