@@ -203,8 +203,9 @@ class TrainingEngine(abc.ABC):
         `with_mean_logit`), 0 on padding, through the padding-free packed path: split over the sequence-parallel
         group when `dims.sp > 1` (DPO's pairs), one packed sequence otherwise."""
         from hf_verl.data.packing import pack_rows
-        from hf_verl.parallel.ulysses import packed_logprobs
+        from hf_verl.parallel.ulysses import packed_logprobs, use_segment_attention
 
+        use_segment_attention(self.model)  # per-row causal attention: no T x T mask, no cross-row FLOPs
         packed = pack_rows(prompt_ids, completion_ids, multiple_of=self.dims.sp, pad_token_id=self._pad_token_id())
         logp, _, *rest = packed_logprobs(self.module, self.model.get_output_embeddings(), packed, self.dims,
                                          temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,

@@ -295,6 +295,15 @@ def register_attention() -> str:
 register_attention()
 
 
+def use_segment_attention(model: torch.nn.Module) -> None:
+    """Switch `model` (a transformers model, PEFT-wrapped or not) to the :data:`ATTENTION` implementation, which is
+    transformers' sdpa for ordinary batches and per-segment causal attention for a packed sequence (a
+    :class:`SequenceShard`, at any degree): packed rows then cost what they would padded, without a `T x T` mask."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "_attn_implementation", None) != ATTENTION:
+        base.set_attn_implementation(register_attention())
+
+
 def apply_sequence_parallel(model: torch.nn.Module, dims: ParallelDims) -> torch.nn.Module:
     """Prepare `model` for sequence parallelism of degree `dims.sp`: check its heads, switch it to the
     :data:`ATTENTION` implementation. A no-op when `dims.sp == 1`. Apply it after tensor parallelism and
