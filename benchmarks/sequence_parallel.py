@@ -138,7 +138,6 @@ def packing(rows: int, repeats: int) -> None:
     """Packed vs padded: log-probs + backward over one batch with a spread of lengths, one process."""
     import random
 
-    import torch
 
     from hf_verl.data.batch import RolloutBatch
     from hf_verl.engine.accelerate_engine import AccelerateEngine

@@ -11,7 +11,6 @@ that is not in the local Hub cache fails at once with a message saying so.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
