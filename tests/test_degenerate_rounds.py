@@ -7,18 +7,14 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.grpo_trainer import GRPOTrainer
 from tests.conftest import build_char_tokenizer
+from tests.test_grpo_trainer import _args as grpo_args
 from tests.test_grpo_trainer import _model
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, logging_steps=1,
-                per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
-                learning_rate=1e-2, gradient_checkpointing=False, save_strategy="no")
-    base.update(kw)
-    return GRPOConfig(**base)
+    return grpo_args(tmp_path, **{"max_steps": 2, "max_completion_length": 4, **kw})
 
 
 def _losses(trainer):

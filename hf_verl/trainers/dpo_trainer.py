@@ -40,7 +40,11 @@ from hf_verl.engine.model_options import router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline.prefetch import frozen_copy
 from hf_verl.trainers.dpo_config import DPOConfig
-from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout, load_pretrained
+from hf_verl.trainers.engine_glue import (
+    EngineTrainerMixin,
+    launch_layout,
+    load_pretrained,
+)
 from hf_verl.trainers.policy_control import ReferenceMixCallback
 
 logger = logging.getLogger(__name__)
@@ -377,9 +381,8 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         completions = [row[c].tolist() for row, c in zip(ids, comp)]
         logp, mean_logit = engine.rows_logprobs(prompts, completions, chunk_size=self.args.logprob_chunk_size,
                                                 with_mean_logit=True)
-        mask = torch.zeros_like(logp, dtype=torch.bool)
-        for i, c in enumerate(completions):
-            mask[i, : len(c)] = True
+        lengths = torch.tensor([len(c) for c in completions], device=logp.device)
+        mask = torch.arange(logp.shape[1], device=logp.device) < lengths[:, None]
         n = len(completions)
         if self.args.ld_alpha is not None:
             owner = torch.arange(n, device=logp.device).unsqueeze(1).expand_as(mask)[mask]
