@@ -31,6 +31,10 @@ class StepTimer(TrainerCallback):
         self.t0, self.steps = None, 0
 
     def on_step_end(self, args, state, control, **kw):
+        import torch
+
+        if torch.cuda.is_available():  # queued kernels belong to the step that launched them
+            torch.cuda.synchronize()
         if state.global_step == 1:
             self.t0 = time.perf_counter()
         elif self.t0 is not None:

@@ -11,8 +11,9 @@ other 10x-60x.
 
 Usage:
   python benchmarks/matrix.py [--algo grpo|dpo|all] [--cells g1,g2,...] [--pairs 3] [--steps N]
-                              [--json out.json] [--smoke]
-``--smoke`` runs every cell for 2 steps, once, without timing claims (a check that the cells build).
+                              [--json out.json] [--warmup] [--smoke]
+``--cells gpu-grpo,gpu-dpo`` runs the two GPU cells (a 0.5B Qwen2 shape, bf16, one CUDA device; peak memory
+is ``torch.cuda.max_memory_allocated``). ``--smoke`` runs every cell for 2 steps, once, without timing claims (a check that the cells build).
 Needs `pip install trl==1.16.0` (benchmark only).
 """
 
@@ -48,6 +49,11 @@ class Cell:
     group: int  # GRPO num_generations (DPO: unused)
     batch: int  # per_device_train_batch_size
     steps: int  # timed steps per run (the first is excluded)
+    device: str = "cpu"  # "cuda": bf16 mixed precision, peak memory from torch.cuda
+    heads: int = 0  # 0: hidden // 32 (at least 2)
+    kv_heads: int = 0  # 0: heads // 2
+    intermediate: int = 0  # 0: 2 * hidden
+    tied: bool = False
 
 
 CELLS = [
@@ -71,18 +77,28 @@ CELLS = [
     Cell("d8", "dpo", 8192, 256, 2, (10, 60), (10, 60), 0, 32, 5),  # big batch
 ]
 
+# GPU cells (`--cells gpu-grpo,gpu-dpo`): a Qwen2.5-0.5B-shaped model (random weights, 151k-word vocabulary,
+# tied embeddings), bf16 mixed precision on one CUDA device; both trainers generate with transformers.
+_QWEN05 = {"device": "cuda", "heads": 14, "kv_heads": 2, "intermediate": 4864, "tied": True}
+GPU_CELLS = [
+    Cell("gpu-grpo", "grpo", 151_934, 896, 24, (20, 80), (0, 96), 8, 32, 8, **_QWEN05),
+    Cell("gpu-dpo", "dpo", 151_934, 896, 24, (20, 120), (20, 200), 0, 8, 30, **_QWEN05),
+]
+
 
 def model_for(cell: Cell, tok):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    heads = max(2, cell.hidden // 32)
-    return Qwen2ForCausalLM(Qwen2Config(hidden_size=cell.hidden, intermediate_size=2 * cell.hidden,
-                                        num_hidden_layers=cell.layers, num_attention_heads=heads,
-                                        num_key_value_heads=heads // 2, vocab_size=len(tok),
-                                        max_position_embeddings=1024, tie_word_embeddings=False,
-                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    heads = cell.heads or max(2, cell.hidden // 32)
+    config = Qwen2Config(hidden_size=cell.hidden, intermediate_size=cell.intermediate or 2 * cell.hidden,
+                         num_hidden_layers=cell.layers, num_attention_heads=heads,
+                         num_key_value_heads=cell.kv_heads or heads // 2, vocab_size=len(tok),
+                         max_position_embeddings=1024, tie_word_embeddings=cell.tied,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    with torch.device(cell.device):  # initialise a 0.5B model where it will run, not on the CPU
+        return Qwen2ForCausalLM(config)
 
 
 def _text(rng, vocab, lo, hi):
@@ -102,8 +118,9 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
 
     tok = build_word_tokenizer(cell.vocab)
     model = model_for(cell, tok)
-    common = dict(output_dir=out, use_cpu=True, report_to=[], max_steps=steps, logging_steps=1000,
-                  per_device_train_batch_size=cell.batch, gradient_checkpointing=False, bf16=False,
+    gpu = cell.device == "cuda"
+    common = dict(output_dir=out, use_cpu=not gpu, report_to=[], max_steps=steps, logging_steps=1000,
+                  per_device_train_batch_size=cell.batch, gradient_checkpointing=False, bf16=gpu,
                   save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
     if cell.algo == "grpo":
         if which == "hf_verl":
@@ -141,8 +158,12 @@ def child(cell: Cell, which: str, steps: int) -> None:
         trainer.train()
         elapsed = time.perf_counter() - timer.t0
     peak = peak_rss_mib()
+    if cell.device == "cuda":  # device memory is what bounds a GPU run; host RSS is kept beside it
+        import torch
+
+        rss0, peak = 0.0, torch.cuda.max_memory_allocated() / 2**20
     print(json.dumps({"run": which, "cell": cell.name, "steps_per_s": timer.steps / elapsed, "peak_rss_mib": peak,
-                      "delta_mib": peak - rss0}))
+                      "delta_mib": peak - rss0, "host_peak_rss_mib": peak_rss_mib()}))
 
 
 def spawn(cell: Cell, which: str, steps: int) -> dict:
@@ -153,8 +174,11 @@ def spawn(cell: Cell, which: str, steps: int) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def measure(cell: Cell, pairs: int, steps: int) -> dict:
-    """Interleaved pairs; per-pair ratios; medians."""
+def measure(cell: Cell, pairs: int, steps: int, warmup: bool = False) -> dict:
+    """Interleaved pairs; per-pair ratios; medians. `warmup` first runs each side once, untimed."""
+    if warmup:  # the first processes on a fresh GPU machine run slow (clocks, caches, compilation)
+        for which in ("trl", "hf_verl"):
+            spawn(cell, which, 2)
     runs = {"hf_verl": [], "trl": []}
     for i in range(pairs):
         order = ("hf_verl", "trl") if i % 2 == 0 else ("trl", "hf_verl")
@@ -175,25 +199,36 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=None, help="override every cell's step count")
     p.add_argument("--json", default=None, help="write every run and ratio here")
+    p.add_argument("--warmup", action="store_true", help="one untimed run of each side before a cell's pairs")
     p.add_argument("--smoke", action="store_true", help="2 steps per run, one pair: a build check, no figures")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     cells = [c for c in CELLS if a.algo in ("all", c.algo)]
     if a.cells:
-        wanted = set(a.cells.split(","))
-        cells = [c for c in CELLS if c.name in wanted]
+        wanted = a.cells.split(",")
+        known = {c.name: c for c in CELLS + GPU_CELLS}
+        if unknown := [w for w in wanted if w not in known]:
+            raise SystemExit(f"unknown cells {unknown}; known: {sorted(known)}")
+        cells = [known[w] for w in wanted]
     if a.child:
         child(cells[0], a.child, a.steps or cells[0].steps)
         return
     results = []
     for cell in cells:
         steps = 3 if a.smoke else (a.steps or cell.steps)
-        r = measure(cell, 1 if a.smoke else a.pairs, steps)
+        try:
+            r = measure(cell, 1 if a.smoke else a.pairs, steps, warmup=a.warmup and not a.smoke)
+        except RuntimeError as err:  # one broken cell must not lose the others' figures
+            print(f"{cell.name}: FAILED\n{err}", flush=True)
+            continue
         results.append(r)
+        if a.json:  # written after every cell, so that a run cut short keeps what it measured
+            Path(a.json).write_text(json.dumps(results, indent=1))
         print(f"{cell.name} {cell.algo} vocab={cell.vocab} h={cell.hidden} L={cell.layers} prompt={cell.prompt_words} "
               f"answer={cell.answer_words} G={cell.group} B={cell.batch}: hf_verl {r['hf_verl_sps']:.3f} steps/s, "
               f"trl {r['trl_sps']:.3f}: speed x{r['speed_median']:.2f} "
-              f"(pairs {', '.join(f'{x:.2f}' for x in r['speed_ratios'])}), peak RSS x{r['memory_median']:.2f}",
+              f"(pairs {', '.join(f'{x:.2f}' for x in r['speed_ratios'])}), "
+              f"peak {'GPU memory' if cell.device == 'cuda' else 'RSS'} x{r['memory_median']:.2f}",
               flush=True)
     for algo in ("grpo", "dpo"):
         mine = [r for r in results if r["cell"]["algo"] == algo]

@@ -10,6 +10,10 @@ One class for the four layouts `accelerate launch` offers, chosen by the run's
 | fsdp2 | :func:`~hf_verl.parallel.fsdp.apply_fsdp` over the data-parallel mesh | sharded the same way |
 | deepspeed | `deepspeed.initialize` with the trainer's optimizer | ZeRO-3: a partitioned inference engine; ZeRO-1/2: a replica |
 
+On the plain and DDP layouts, which keep fp32 parameters, `bf16` / `fp16` run every forward (and
+the LM head) under `torch.autocast` (:mod:`hf_verl.engine.precision`); fp16, which needs loss scaling,
+is refused there for a trained role.
+
 Every forward runs through :attr:`module` (so DDP's and ZeRO's hooks fire and FSDP2's root gathers
 its parameters) and the LM / value head is then called as a module on the selected final hidden
 states: its weight is never read as a plain tensor, which under FSDP2 would be a shard and under
@@ -28,6 +32,7 @@ import torch
 
 from hf_verl.algorithms.logprobs import logprobs_from_head
 from hf_verl.engine.base import TokenStats, TrainingEngine
+from hf_verl.engine.precision import amp_dtype, autocast
 from hf_verl.parallel import deepspeed as ds
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
@@ -91,12 +96,18 @@ class AccelerateEngine(TrainingEngine):
             if config is not None:
                 config.use_cache = False
         kind = backend.kind
+        low = amp_dtype(bf16, fp16)
+        # FSDP2 casts parameters (param_dtype) and DeepSpeed runs its own bf16 / fp16; the rest autocast
+        self.autocast_dtype = low if kind in ("plain", "ddp") else None
+        if trainable and self.autocast_dtype == torch.float16:
+            raise ValueError(f"fp16=True on the {backend.label} layout: fp16 mixed precision needs loss scaling, which "
+                             "hf_verl runs through FSDP2 or DeepSpeed only. Use bf16=True (GPUs from Ampere on), an "
+                             "FSDP2 or DeepSpeed accelerate config, or full precision.")
         if kind == "ddp" and trainable:
             if accelerator is None:
                 raise ValueError("a DDP engine needs the run's accelerate.Accelerator to prepare the model.")
             self._module = accelerator.prepare_model(model)
         elif kind == "fsdp2":
-            low = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
             apply_fsdp(model, dims.fsdp_mesh(), reshard_after_forward=backend.reshard_after_forward,
                        param_dtype=low, reduce_dtype=torch.float32 if low is not None else None,
                        offload_params=backend.offload_params)
@@ -136,19 +147,25 @@ class AccelerateEngine(TrainingEngine):
         kwargs = self._forward(input_ids, attention_mask, position_ids)
         if with_aux_loss:
             kwargs["output_router_logits"] = True
-        out = self.module(logits_to_keep=1, **kwargs)
-        hidden = out.hidden_states[-1][select]
-        aux = getattr(out, "aux_loss", None) if with_aux_loss else None
-        if with_aux_loss and aux is None:
-            raise ValueError(f"the {self.role} model returned no aux_loss with output_router_logits=True: it is not a "
-                             "Mixture-of-Experts model; set router_aux_loss_coef=0.")
-        del out
-        head = self.model.get_output_embeddings()
-        logp, entropy, mean_logit, *sq = logprobs_from_head(
-            hidden, head, targets[select], temperature=temperature, chunk_size=chunk_size,
-            with_entropy=with_entropy, with_mean_logit=with_mean_logit, with_log_sum_sq=with_log_sum_sq)
+        with self.autocast():
+            out = self.module(logits_to_keep=1, **kwargs)
+            hidden = out.hidden_states[-1][select]
+            aux = getattr(out, "aux_loss", None) if with_aux_loss else None
+            if with_aux_loss and aux is None:
+                raise ValueError(f"the {self.role} model returned no aux_loss with output_router_logits=True: it is "
+                                 "not a Mixture-of-Experts model; set router_aux_loss_coef=0.")
+            del out
+            head = self.model.get_output_embeddings()
+            logp, entropy, mean_logit, *sq = logprobs_from_head(
+                hidden, head, targets[select], temperature=temperature, chunk_size=chunk_size,
+                with_entropy=with_entropy, with_mean_logit=with_mean_logit, with_log_sum_sq=with_log_sum_sq)
         self._release_after_forward(logp)
         return TokenStats(logp, entropy, mean_logit, aux, sq[0] if sq else None)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The mixed-precision context forwards of this engine run in (a no-op in full precision, under
+        FSDP2 and under DeepSpeed, which cast parameters themselves)."""
+        return autocast(self.device, self.autocast_dtype)
 
     def _release_after_forward(self, result: torch.Tensor) -> None:
         """An FSDP2 root stays gathered after its forward for the backward; without one, reshard it now."""
@@ -159,10 +176,11 @@ class AccelerateEngine(TrainingEngine):
         return value_head(self.model)
 
     def token_values(self, input_ids, select, *, attention_mask=None, position_ids=None) -> torch.Tensor:
-        out = self.module(**self._forward(input_ids, attention_mask, position_ids))
-        hidden = out.hidden_states[-1][select]
-        del out
-        values = value_head(self.model)(hidden)
+        with self.autocast():
+            out = self.module(**self._forward(input_ids, attention_mask, position_ids))
+            hidden = out.hidden_states[-1][select]
+            del out
+            values = value_head(self.model)(hidden).float()
         if values.shape[-1] != 1:
             raise ValueError(f"the {self.role}'s score head has {values.shape[-1]} outputs; it needs num_labels=1.")
         self._release_after_forward(values)
@@ -171,7 +189,8 @@ class AccelerateEngine(TrainingEngine):
     def forward(self, **kwargs: Any) -> Any:
         """The model's own forward through :attr:`module` (a frozen role such as a reward model); an
         FSDP2 root gathered by a forward without backward is resharded afterwards."""
-        out = self.module(**kwargs)
+        with self.autocast():
+            out = self.module(**kwargs)
         if self.backend.kind == "fsdp2" and not torch.is_grad_enabled():
             release_root(self._model)
         return out

@@ -75,7 +75,10 @@ class RolloutPrefetcher:
             t0 = time.perf_counter()
             model = frozen_copy(actor.model)
             self.copy_engine = TransformersEngine(model, engine.tokenizer, batch_size=engine.batch_size,
-                                                  use_generate=engine.use_generate)
+                                                  use_generate=engine.use_generate,
+                                                  cache_implementation=engine.cache_implementation,
+                                                  generate_kwargs=engine.generate_kwargs,
+                                                  autocast_dtype=engine.autocast_dtype)
             self.copy_engine.eos_token_ids = set(engine.eos_token_ids)
             self.copy_step = step
             n = sum(p.numel() for p in model.parameters())

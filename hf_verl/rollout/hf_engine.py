@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from hf_verl.engine.precision import autocast
 from hf_verl.rollout.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -68,12 +69,15 @@ class TransformersEngine(RolloutEngine):
         generate_kwargs (`dict`, *optional*): more ``model.generate`` arguments (any `GenerationConfig` field:
             beam search, n-gram blocking, ...); decoding then uses ``model.generate``, and the completions it
             returns are scored by one teacher-forced forward (beams and processors reorder its logits).
+        autocast_dtype (`torch.dtype`, *optional*): run the model's forwards under `torch.autocast` in this
+            dtype (the trainer's `bf16` on fp32 parameters); sampling and log-probs stay fp32.
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int | None = None,
                  use_generate: bool = False, cache_implementation: str | None = None,
-                 generate_kwargs: dict | None = None) -> None:
+                 generate_kwargs: dict | None = None, autocast_dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        self.autocast_dtype = autocast_dtype
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}.")
         self.model = model
@@ -134,7 +138,7 @@ class TransformersEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), autocast(self._device(), self.autocast_dtype):
                 for start in range(0, len(prompts), step):
                     chunk_gen = generator[start : start + step] if isinstance(generator, list) else generator
                     ids, lps, rs = self._generate_chunk(prompts[start : start + step], sampling, chunk_gen)
@@ -227,7 +231,7 @@ class TransformersEngine(RolloutEngine):
             out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
                              position_ids=position_ids, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
-            logits, cache = out.logits[:, -1], out.past_key_values
+            logits, cache = out.logits[:, -1].float(), out.past_key_values
         return torch.stack(step_ids, dim=1), torch.stack(step_lps, dim=1)
 
     def _prefill(self, input_ids, mask, position_ids):
@@ -246,7 +250,7 @@ class TransformersEngine(RolloutEngine):
             cache = out.past_key_values
             try:
                 cache.batch_select_indices(inverse)
-                return out.logits[inverse, -1], cache
+                return out.logits[inverse, -1].float(), cache
             except (AttributeError, NotImplementedError):
                 # a cache whose layers cannot repeat rows (the recurrent layers of hybrid Mamba / linear-attention
                 # models): prefill every row, for this and later calls
@@ -255,7 +259,7 @@ class TransformersEngine(RolloutEngine):
                 self._dedup_prefill = False
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1], out.past_key_values
+        return out.logits[:, -1].float(), out.past_key_values
 
     def _decode_with_generate(self, input_ids, attention_mask, sampling: SamplingParams):
         """Decode with ``model.generate`` (needed for stop strings); raw logits give the log-probs.

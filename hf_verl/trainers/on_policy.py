@@ -37,6 +37,7 @@ from hf_verl.data.prompts import (
     tokenize_prompts,
 )
 from hf_verl.data.samplers import RepeatGroupSampler
+from hf_verl.engine.precision import amp_dtype
 from hf_verl.parallel import comm
 from hf_verl.pipeline import generation, phases
 from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
@@ -155,7 +156,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         engine_model = self.actor.model if replica is None else replica.to(device)
         self.engine: RolloutEngine = TransformersEngine(
             engine_model, processing_class, cache_implementation=getattr(args, "cache_implementation", None),
-            generate_kwargs=split_generation_kwargs(getattr(args, "generation_kwargs", None))[1])
+            generate_kwargs=split_generation_kwargs(getattr(args, "generation_kwargs", None))[1],
+            autocast_dtype=amp_dtype(bool(args.bf16), bool(args.fp16)))
         self._metrics: dict[str, list[float]] = defaultdict(list)
         # the Trainer divides each micro-batch loss by the accumulation steps (rows carry no labels)
         self.model_accepts_loss_kwargs = False
