@@ -70,13 +70,17 @@ class AccelerateEngine(TrainingEngine):
         gradient_checkpointing (`bool`): activation checkpointing (applied before sharding).
         pad_token_id (`int`, *optional*): set on a value model's config when it has none (its forward
             needs one to batch rows).
+        padding_free (`bool`, *optional*): see [`TrainingEngine`]: pack rollouts padding-free (`None`: when
+            a batch's padding share makes it pay).
     """
 
     def __init__(self, model: torch.nn.Module, *, role: str, dims: ParallelDims, backend: BackendSpec,
                  accelerator: Any = None, trainable: bool = True, micro_batch_size: int = 1,
                  gradient_accumulation_steps: int = 1, max_grad_norm: float | None = 1.0, bf16: bool = False,
-                 fp16: bool = False, gradient_checkpointing: bool = False, pad_token_id: int | None = None) -> None:
+                 fp16: bool = False, gradient_checkpointing: bool = False, pad_token_id: int | None = None,
+                 padding_free: bool | None = None) -> None:
         self.role, self.dims, self.backend, self.trainable = role, dims, backend, trainable
+        self.padding_free = padding_free
         self._model = model
         self._module: torch.nn.Module = model
         self.optimizer: torch.optim.Optimizer | None = None

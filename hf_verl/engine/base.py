@@ -16,7 +16,10 @@ Two forward primitives carry everything:
 
 :meth:`TrainingEngine.logprobs` and :meth:`TrainingEngine.values` express a
 :class:`~hf_verl.data.batch.RolloutBatch` (left-padded prompt, right-padded completion) in those
-terms and return `(B, C)` tensors aligned with `completion_ids`, zero on padding.
+terms and return `(B, C)` tensors aligned with `completion_ids`, zero on padding. They pack the rows
+padding-free (:mod:`hf_verl.data.packing`, per-row causal attention) under sequence parallelism, and
+on one sequence-parallel rank when :attr:`TrainingEngine.padding_free` says so: `None` (the default)
+packs a rollout when :func:`packing_pays`, and the two paths agree to float rounding.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ import torch
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
+
+# Packing saves the padded positions' work and costs one attention call per row and layer. Measured on the
+# CPU (benchmarks/packing.py), that call costs about as much as PACK_ROW_COST / hidden_size tokens do.
+PACK_ROW_COST = 2560
+PACK_MIN_PADDING_PER_ROW = 8
+
+
+def packing_pays(attention_mask: torch.Tensor, hidden_size: int) -> bool:
+    """Whether packing a padded batch (`attention_mask` `(B, W)`) should beat running it padded: when its rows
+    carry, on average, more padding than a per-row attention call costs in tokens of a `hidden_size` model."""
+    rows = attention_mask.shape[0]
+    if rows == 0:
+        return False
+    padding_per_row = (attention_mask.numel() - float(attention_mask.sum())) / rows
+    return padding_per_row >= max(PACK_MIN_PADDING_PER_ROW, PACK_ROW_COST / max(hidden_size, 1))
 
 
 @dataclass
@@ -79,12 +97,15 @@ class TrainingEngine(abc.ABC):
         dims ([`ParallelDims`]): the layout; the only source of ranks and groups.
         backend ([`BackendSpec`]): plain, DDP, FSDP2 or DeepSpeed ZeRO.
         trainable (`bool`): whether the engine runs backward / optimizer steps.
+        padding_free (`bool`, *optional*): pack rollouts padding-free in :meth:`logprobs` / :meth:`values`
+            (always under sequence parallelism); `None` decides per batch from its padding share.
     """
 
     role: str
     dims: ParallelDims
     backend: BackendSpec
     trainable: bool
+    padding_free: bool | None = None
 
     # ------------------------------------------------------------------ models
     @property
@@ -142,12 +163,12 @@ class TrainingEngine(abc.ABC):
             `(logp, entropy)`; with `with_aux_loss`, `(logp, entropy, aux_loss)` where `aux_loss` is the
             model's router load-balancing loss of this forward (a Mixture-of-Experts model).
         """
-        if self.dims.sp > 1:
-            if with_aux_loss:
-                raise ValueError("a Mixture-of-Experts router aux loss (router_aux_loss_coef > 0) is not supported "
-                                 "with sequence_parallel_size > 1: set router_aux_loss_coef=0 or "
-                                 "sequence_parallel_size=1.")
-            return self._sequence_parallel_logprobs(batch, temperature, chunk_size, with_entropy)
+        if self.dims.sp > 1 and with_aux_loss:
+            raise ValueError("a Mixture-of-Experts router aux loss (router_aux_loss_coef > 0) is not supported "
+                             "with sequence_parallel_size > 1: set router_aux_loss_coef=0 or "
+                             "sequence_parallel_size=1.")
+        if self._packs(batch, with_aux_loss):
+            return self._packed_logprobs(batch, temperature, chunk_size, with_entropy)
         input_ids, mask, select, targets = rollout_positions(batch)
         stats = self.token_logprobs(input_ids, targets, select, attention_mask=mask,
                                     position_ids=position_ids_from_mask(mask),
@@ -174,28 +195,54 @@ class TrainingEngine(abc.ABC):
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         """`(B, C)` critic values of the states before each completion token, 0 on padding."""
-        if self.dims.sp > 1:
+        if self._packs(batch):
             from hf_verl.data.packing import pack_rollout
-            from hf_verl.parallel.ulysses import packed_values
+            from hf_verl.parallel.ulysses import packed_values, use_segment_attention
 
+            use_segment_attention(self.model)
             packed = pack_rollout(batch, multiple_of=self.dims.sp, pad_token_id=self._pad_token_id())
-            return packed_values(self.module, self._value_head(), packed, self.dims).float()
+            with self.autocast():
+                return packed_values(self.module, self._value_head(), packed, self.dims).float()
         input_ids, mask, select, _ = rollout_positions(batch)
         flat = self.token_values(input_ids, select, attention_mask=mask, position_ids=position_ids_from_mask(mask))
         return scatter_completion(batch, flat.float())
 
-    # ------------------------------------------------------------------ sequence parallelism (Ulysses)
-    def _sequence_parallel_logprobs(self, batch: RolloutBatch, temperature: float, chunk_size: int,
-                                    with_entropy: bool):
-        """:meth:`logprobs` over a padding-free packed batch whose sequence is split over the `sp` ranks
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The mixed-precision context of this engine's forwards (none by default)."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ padding-free packing, sequence parallelism
+    def _packs(self, batch: RolloutBatch, with_aux_loss: bool = False) -> bool:
+        """Whether :meth:`logprobs` / :meth:`values` run `batch` packed (see the module docstring)."""
+        if self.dims.sp > 1:
+            return True
+        if self.padding_free is False or with_aux_loss:
+            return False
+        from hf_verl.parallel.ulysses import packing_unsupported
+
+        reason = packing_unsupported(self.model)
+        if reason is not None:
+            if self.padding_free:
+                raise ValueError(f"padding_free=True cannot pack the {self.role}'s rows: {reason}. Set "
+                                 "padding_free=None (pack where possible) or False.")
+            return False
+        if self.padding_free:
+            return True
+        config = getattr(self.model, "config", None)
+        return packing_pays(batch.attention_mask, getattr(config, "hidden_size", None) or 1024)
+
+    def _packed_logprobs(self, batch: RolloutBatch, temperature: float, chunk_size: int, with_entropy: bool):
+        """:meth:`logprobs` over a padding-free packed batch, its sequence split over the `sp` ranks
         (:mod:`hf_verl.parallel.ulysses`); every rank of the group gets the whole `(B, C)` result."""
         from hf_verl.data.packing import pack_rollout
-        from hf_verl.parallel.ulysses import packed_logprobs
+        from hf_verl.parallel.ulysses import packed_logprobs, use_segment_attention
 
+        use_segment_attention(self.model)  # per-row causal attention (sequence parallelism has set it already)
         packed = pack_rollout(batch, multiple_of=self.dims.sp, pad_token_id=self._pad_token_id())
-        return packed_logprobs(self.module, self.model.get_output_embeddings(), packed, self.dims,
-                               temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
-                               with_entropy=with_entropy)
+        with self.autocast():
+            return packed_logprobs(self.module, self.model.get_output_embeddings(), packed, self.dims,
+                                   temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
+                                   with_entropy=with_entropy)
 
     def rows_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
                       temperature: float = 1.0, chunk_size: int = 1024, with_mean_logit: bool = False):
@@ -207,9 +254,10 @@ class TrainingEngine(abc.ABC):
 
         use_segment_attention(self.model)  # per-row causal attention: no T x T mask, no cross-row FLOPs
         packed = pack_rows(prompt_ids, completion_ids, multiple_of=self.dims.sp, pad_token_id=self._pad_token_id())
-        logp, _, *rest = packed_logprobs(self.module, self.model.get_output_embeddings(), packed, self.dims,
-                                         temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
-                                         with_mean_logit=with_mean_logit)
+        with self.autocast():
+            logp, _, *rest = packed_logprobs(self.module, self.model.get_output_embeddings(), packed, self.dims,
+                                             temperature=temperature if temperature > 0 else 1.0,
+                                             chunk_size=chunk_size, with_mean_logit=with_mean_logit)
         return (logp, rest[0]) if with_mean_logit else logp
 
     def _pad_token_id(self) -> int:

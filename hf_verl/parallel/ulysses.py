@@ -32,10 +32,9 @@ Heads: `sp` must divide the query heads (any other degree is refused up front by
 :func:`kv_head_repeats`, naming the numbers and the degrees that work). Key/value heads are split
 when `sp` divides them and otherwise replicated just enough that every rank gets the KV heads of its
 query heads (GQA with few KV heads: 4 query heads, 1 KV head, sp=2 sends each rank a copy).
-The attention inside is `torch.nn.functional.scaled_dot_product_attention` with a dense boolean
-block-causal mask (`T x T` booleans for a packed length `T`, built once per forward); a varlen
-flash-attention kernel over `cu_seqlens` would avoid the mask and is not wired in yet. Sliding-window
-layers are refused.
+The attention inside is `torch.nn.functional.scaled_dot_product_attention`, causal, once per packed row
+(:func:`segment_attention`: no `T x T` mask); a varlen flash-attention kernel over `cu_seqlens` would
+make it one call and is not wired in yet. Sliding-window layers are refused.
 """
 
 from __future__ import annotations
@@ -293,6 +292,26 @@ def register_attention() -> str:
 
 
 register_attention()
+
+
+def packing_unsupported(model: torch.nn.Module) -> str | None:
+    """Why `model`'s rows cannot be packed padding-free on one process, or `None` when they can: the model
+    must attend through sdpa (switching an eager, flash or flex model would change its numerics or its
+    kernels) with no sliding-window layers (the segment attention is full causal)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is None or not hasattr(base, "set_attn_implementation"):
+        return f"{type(base).__name__} is not a transformers model"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", ATTENTION):
+        return f"it attends with {impl!r}; packing runs on the 'sdpa' implementation"
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = "sliding_attention" in layer_types or (
+        getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+        and not layer_types)
+    if windowed:
+        return "it has sliding-window attention layers"
+    return None
 
 
 def use_segment_attention(model: torch.nn.Module) -> None:

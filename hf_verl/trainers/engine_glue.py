@@ -23,6 +23,7 @@ from hf_verl.engine.accelerate_engine import AccelerateEngine
 from hf_verl.engine.module import EngineModule
 from hf_verl.parallel.backend import BackendSpec, resolve_backend
 from hf_verl.parallel.dims import ParallelDims
+from hf_verl.trainers.rollout_args import RolloutArguments
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,9 @@ class EngineTrainerMixin:
             trainable=trainable, micro_batch_size=args.per_device_train_batch_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
             bf16=bool(args.bf16), fp16=bool(args.fp16),
-            gradient_checkpointing=trainable and bool(args.gradient_checkpointing), **kwargs)
+            gradient_checkpointing=trainable and bool(args.gradient_checkpointing),
+            # rollouts' packing (DPO's `padding_free` is its collator's, a different switch)
+            padding_free=args.padding_free if isinstance(args, RolloutArguments) else None, **kwargs)
 
     # ------------------------------------------------------------------ the Trainer's model and optimizer
     def _wrap_model(self, model, training: bool = True, dataloader=None):

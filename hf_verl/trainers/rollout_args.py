@@ -24,6 +24,11 @@ class RolloutArguments:
         "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
     max_staleness: int = field(default=1, metadata=_help("Most weight versions a rollout may lag behind (>= 1)."))
     logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
+    padding_free: bool | None = field(default=None, metadata=_help(
+        "Score rollouts packed padding-free (per-row causal attention; equal to the padded result to float rounding). "
+        "None: pack a batch whose rows carry more padding than a per-row attention call costs (see "
+        "docs/benchmarks.md#padding-free-rollouts), when the model attends with sdpa and has no sliding-window "
+        "layers; True: always (an error when the model cannot); False: never."))
     per_row_sampling_seed: bool = field(default=False, metadata=_help(
         "Sample each completion from its own stream seeded by (seed, its row in the global round): rollouts "
         "do not depend on how rows are split over processes."))
