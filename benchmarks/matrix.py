@@ -1,4 +1,5 @@
-"""A benchmark matrix: hf_verl's GRPOTrainer and DPOTrainer against TRL 1.16's, cell by cell.
+"""A benchmark matrix: hf_verl's GRPOTrainer and DPOTrainer against TRL 1.16's, cell by cell; PPOTrainer against
+an earlier hf_verl (TRL 1.16 has no PPO trainer any more).
 
 Each cell is one configuration (vocabulary, model width/depth, prompt and completion lengths with a
 spread, group size, batch size). For each cell the two trainers run as fresh subprocesses of this
@@ -12,6 +13,8 @@ other 10x-60x.
 Usage:
   python benchmarks/matrix.py [--algo grpo|dpo|all] [--cells g1,g2,...] [--pairs 3] [--steps N]
                               [--json out.json] [--warmup] [--smoke]
+PPO cells (``p1``, ``p2``) compare this checkout with the hf_verl source tree named by ``--baseline`` (a
+``git worktree add /tmp/base <commit>``): the baseline run imports hf_verl from there, its "TRL" column.
 ``--cells gpu-grpo,gpu-dpo`` runs the two GPU cells (a 0.5B Qwen2 shape, bf16, one CUDA device; peak memory
 is ``torch.cuda.max_memory_allocated``). ``--smoke`` runs every cell for 2 steps, once, without timing claims (a check that the cells build).
 Needs `pip install trl==1.16.0` (benchmark only).
@@ -40,13 +43,13 @@ class Cell:
     """One configuration of the matrix."""
 
     name: str
-    algo: str  # "grpo" or "dpo"
+    algo: str  # "grpo", "dpo" or "ppo"
     vocab: int  # words in the tokenizer (+2 specials)
     hidden: int
     layers: int
     prompt_words: tuple[int, int]  # prompt length range, tokens (uniform)
     answer_words: tuple[int, int]  # GRPO: max_completion_length is the upper bound; DPO: chosen/rejected range
-    group: int  # GRPO num_generations (DPO: unused)
+    group: int  # GRPO num_generations; PPO num_mini_batches (DPO: unused)
     batch: int  # per_device_train_batch_size
     steps: int  # timed steps per run (the first is excluded)
     device: str = "cpu"  # "cuda": bf16 mixed precision, peak memory from torch.cuda
@@ -75,6 +78,9 @@ CELLS = [
     Cell("d6", "dpo", 100, 64, 6, (20, 100), (20, 100), 0, 8, 12),  # deep, narrow, small vocabulary
     Cell("d7", "dpo", 32000, 128, 2, (5, 200), (5, 200), 0, 8, 8),  # extreme spread
     Cell("d8", "dpo", 8192, 256, 2, (10, 60), (10, 60), 0, 32, 5),  # big batch
+    # PPO (against --baseline): answer range's upper bound is response_length
+    Cell("p1", "ppo", 100, 128, 2, (10, 60), (0, 32), 2, 8, 8),
+    Cell("p2", "ppo", 8000, 256, 4, (50, 250), (0, 48), 2, 8, 5),  # long prompts with a wide spread
 ]
 
 # GPU cells (`--cells gpu-grpo,gpu-dpo`): a Qwen2.5-0.5B-shaped model (random weights, 151k-word vocabulary,
@@ -99,6 +105,18 @@ def model_for(cell: Cell, tok):
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     with torch.device(cell.device):  # initialise a 0.5B model where it will run, not on the CPU
         return Qwen2ForCausalLM(config)
+
+
+def _critic_for(cell: Cell, tok):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    torch.manual_seed(1)
+    heads = cell.heads or max(2, cell.hidden // 32)
+    return Qwen2ForSequenceClassification(Qwen2Config(
+        hidden_size=cell.hidden, intermediate_size=cell.intermediate or 2 * cell.hidden, num_hidden_layers=cell.layers,
+        num_attention_heads=heads, num_key_value_heads=cell.kv_heads or heads // 2, vocab_size=len(tok), num_labels=1,
+        max_position_embeddings=1024, pad_token_id=tok.pad_token_id))
 
 
 def _text(rng, vocab, lo, hi):
@@ -134,6 +152,17 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
                           learning_rate=1e-4, beta=0.0)
         return GRPOTrainer(model=model, reward_funcs=distinct_words, args=args, processing_class=tok,
                            train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=callbacks)
+    if cell.algo == "ppo":  # this checkout, or the --baseline tree (first on sys.path, see child())
+        from hf_verl import PPOConfig, PPOTrainer
+
+        policy = model_for(cell, tok)
+        model.generation_config.pad_token_id = policy.generation_config.pad_token_id = tok.pad_token_id
+        critic = _critic_for(cell, tok)
+        prompts = [_text(rng, cell.vocab, *cell.prompt_words) for _ in range(256)]
+        args = PPOConfig(**common, num_mini_batches=cell.group, response_length=cell.answer_words[1],
+                         learning_rate=1e-5, stop_token="eos")
+        return PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=model, reward_model=distinct_words,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), value_model=critic, callbacks=callbacks)
     import copy
 
     if which == "hf_verl":
@@ -149,8 +178,12 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
                       train_dataset=Dataset.from_list(rows), callbacks=callbacks)
 
 
-def child(cell: Cell, which: str, steps: int) -> None:
+def child(cell: Cell, which: str, steps: int, baseline: str | None = None) -> None:
     """One timed run in this (fresh) process; prints one JSON line."""
+    if which == "trl" and cell.algo == "ppo":  # the baseline's hf_verl shadows this checkout's
+        if not baseline:
+            raise SystemExit("PPO cells compare against an earlier hf_verl: pass --baseline <source tree>.")
+        sys.path.insert(0, str(Path(baseline).resolve()))
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(cell, which, steps, out, [timer])
@@ -166,24 +199,27 @@ def child(cell: Cell, which: str, steps: int) -> None:
                       "delta_mib": peak - rss0, "host_peak_rss_mib": peak_rss_mib()}))
 
 
-def spawn(cell: Cell, which: str, steps: int) -> dict:
+def spawn(cell: Cell, which: str, steps: int, baseline: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", which, "--cells", cell.name, "--steps", str(steps)]
+    if baseline:
+        cmd += ["--baseline", baseline]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"{cell.name} {which} failed:\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def measure(cell: Cell, pairs: int, steps: int, warmup: bool = False) -> dict:
-    """Interleaved pairs; per-pair ratios; medians. `warmup` first runs each side once, untimed."""
+def measure(cell: Cell, pairs: int, steps: int, warmup: bool = False, baseline: str | None = None) -> dict:
+    """Interleaved pairs; per-pair ratios; medians. `warmup` first runs each side once, untimed. The "trl" side
+    of a PPO cell is the `baseline` hf_verl."""
     if warmup:  # the first processes on a fresh GPU machine run slow (clocks, caches, compilation)
         for which in ("trl", "hf_verl"):
-            spawn(cell, which, 2)
+            spawn(cell, which, 2, baseline)
     runs = {"hf_verl": [], "trl": []}
     for i in range(pairs):
         order = ("hf_verl", "trl") if i % 2 == 0 else ("trl", "hf_verl")
         for which in order:
-            runs[which].append(spawn(cell, which, steps))
+            runs[which].append(spawn(cell, which, steps, baseline))
     speed = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs["hf_verl"], runs["trl"])]
     memory = [a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(runs["hf_verl"], runs["trl"])]
     return {"cell": asdict(cell), "runs": runs, "speed_ratios": speed, "memory_ratios": memory,
@@ -194,16 +230,17 @@ def measure(cell: Cell, pairs: int, steps: int, warmup: bool = False) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algo", choices=["grpo", "dpo", "all"], default="all")
+    p.add_argument("--algo", choices=["grpo", "dpo", "ppo", "all"], default="all")
     p.add_argument("--cells", default=None, help="comma-separated cell names (default: every cell of --algo)")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=None, help="override every cell's step count")
     p.add_argument("--json", default=None, help="write every run and ratio here")
+    p.add_argument("--baseline", default=None, help="an earlier hf_verl source tree, the PPO cells' comparison")
     p.add_argument("--warmup", action="store_true", help="one untimed run of each side before a cell's pairs")
     p.add_argument("--smoke", action="store_true", help="2 steps per run, one pair: a build check, no figures")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    cells = [c for c in CELLS if a.algo in ("all", c.algo)]
+    cells = [c for c in CELLS if a.algo == c.algo or (a.algo == "all" and (c.algo != "ppo" or a.baseline))]
     if a.cells:
         wanted = a.cells.split(",")
         known = {c.name: c for c in CELLS + GPU_CELLS}
@@ -211,13 +248,13 @@ def main() -> None:
             raise SystemExit(f"unknown cells {unknown}; known: {sorted(known)}")
         cells = [known[w] for w in wanted]
     if a.child:
-        child(cells[0], a.child, a.steps or cells[0].steps)
+        child(cells[0], a.child, a.steps or cells[0].steps, a.baseline)
         return
     results = []
     for cell in cells:
         steps = 3 if a.smoke else (a.steps or cell.steps)
         try:
-            r = measure(cell, 1 if a.smoke else a.pairs, steps, warmup=a.warmup and not a.smoke)
+            r = measure(cell, 1 if a.smoke else a.pairs, steps, warmup=a.warmup and not a.smoke, baseline=a.baseline)
         except RuntimeError as err:  # one broken cell must not lose the others' figures
             print(f"{cell.name}: FAILED\n{err}", flush=True)
             continue
@@ -226,11 +263,11 @@ def main() -> None:
             Path(a.json).write_text(json.dumps(results, indent=1))
         print(f"{cell.name} {cell.algo} vocab={cell.vocab} h={cell.hidden} L={cell.layers} prompt={cell.prompt_words} "
               f"answer={cell.answer_words} G={cell.group} B={cell.batch}: hf_verl {r['hf_verl_sps']:.3f} steps/s, "
-              f"trl {r['trl_sps']:.3f}: speed x{r['speed_median']:.2f} "
+              f"{'baseline' if cell.algo == 'ppo' else 'trl'} {r['trl_sps']:.3f}: speed x{r['speed_median']:.2f} "
               f"(pairs {', '.join(f'{x:.2f}' for x in r['speed_ratios'])}), "
               f"peak {'GPU memory' if cell.device == 'cuda' else 'RSS'} x{r['memory_median']:.2f}",
               flush=True)
-    for algo in ("grpo", "dpo"):
+    for algo in ("grpo", "dpo", "ppo"):
         mine = [r for r in results if r["cell"]["algo"] == algo]
         if mine:
             speeds = [r["speed_median"] for r in mine]
