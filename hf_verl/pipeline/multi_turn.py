@@ -5,7 +5,9 @@ whose model may call tools (TRL's `tools` / `environment_factory` / `max_tool_ca
 Each row's completion is the concatenation of its assistant turns and of the *observation* spans
 between them: the tokens the chat template adds for the tool messages and the next assistant
 header. The model's tokens are never re-tokenised: a turn continues from the exact ids generated so
-far plus the observation ids, so sampling log-probs stay aligned with what the trainer recomputes.
+far plus the observation ids, so sampling log-probs stay aligned with what the trainer recomputes. This
+needs a prefix-preserving chat template; Qwen3's is not, and is replaced for the rollout (not on the
+tokenizer) by hf_verl's Qwen3 training template (:mod:`hf_verl.data.chat_templates`).
 
 The returned batch has the layout of :func:`~hf_verl.pipeline.generation.generate` (prompts
 left-padded, completions right-padded) with:
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from hf_verl.data.batch import RolloutBatch, pad_sequences
+from hf_verl.data.chat_templates import training_chat_template
 from hf_verl.data.prompts import is_conversational, render_prompt
 from hf_verl.rollout.base import FINISH_LENGTH, RolloutEngine, SamplingParams
 from hf_verl.rollout.tools import (
@@ -52,6 +55,31 @@ from hf_verl.rollout.tools import (
 logger = logging.getLogger(__name__)
 
 _MAX_TOOL_THREADS = 32
+_announced: set[int] = set()  # hashes of the tokenizer templates whose substitution was logged
+
+
+def rollout_chat_template_kwargs(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> dict:
+    """The `apply_chat_template` arguments to render a tool-calling rollout with.
+
+    `chat_template_kwargs` as given, plus `chat_template=` hf_verl's prefix-preserving Qwen3 training template
+    (:func:`~hf_verl.data.chat_templates.training_chat_template`) when the tokenizer carries Qwen3's template
+    and no `chat_template` is given; the tokenizer itself is not modified. The substitution is logged once
+    per template at INFO.
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    if kwargs.get("chat_template") is not None:
+        return kwargs
+    template = training_chat_template(tokenizer)
+    if template is not None:
+        kwargs["chat_template"] = template
+        key = hash(tokenizer.chat_template)
+        if key not in _announced:
+            _announced.add(key)
+            logger.info("the tokenizer's chat template is Qwen3's, which is not prefix-preserving (it drops the "
+                        "<think> block of earlier assistant turns): tool-calling rollouts render with hf_verl's "
+                        "Qwen3 training template instead, which keeps every assistant turn as Qwen3 renders the "
+                        "last one (the tokenizer is left unchanged).")
+    return kwargs
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:
@@ -249,7 +277,8 @@ def generate_with_tools(
         engine ([`RolloutEngine`]): generates every turn, from token ids.
         prompts (`Sequence[list[dict]]`): conversational prompts (lists of `{"role", "content"}` messages).
         tokenizer (`PreTrainedTokenizerBase`): the policy's tokenizer; its chat template must render tools,
-            assistant `tool_calls` and `tool` messages, and be prefix-preserving.
+            assistant `tool_calls` and `tool` messages, and be prefix-preserving (Qwen3's, which is not, is
+            replaced by hf_verl's training template: :func:`rollout_chat_template_kwargs`).
         sampling ([`SamplingParams`]): per-turn sampling; `max_new_tokens` bounds the *whole* completion
             (all turns and observations).
         tools (`Sequence[Callable]`, defaults to `()`): tools (sync or async functions) every row may call.
@@ -264,7 +293,8 @@ def generate_with_tools(
         tool_timeout_s (`float`, defaults to `30.0`): seconds each tool call may take.
         prompt_ids (`Sequence[Sequence[int]]`, *optional*): the prompts' token ids when already tokenised
             (with the same tools); rendered with the chat template otherwise.
-        chat_template_kwargs (`dict`, *optional*): extra arguments for `apply_chat_template`.
+        chat_template_kwargs (`dict`, *optional*): extra arguments for `apply_chat_template` (a
+            `chat_template` given here is used as is).
         max_context_length (`int`, *optional*): the engine's context limit (prompt and completion); tool
             results that would reach it are dropped and the row is marked truncated, as with the budget.
         version (`int`, *optional*): weight version to record instead of the engine's.
@@ -282,6 +312,7 @@ def generate_with_tools(
         raise ValueError(f"max_iterations must be >= 0 or None, got {max_iterations}.")
     if tool_timeout_s <= 0:
         raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}.")
+    chat_template_kwargs = rollout_chat_template_kwargs(tokenizer, chat_template_kwargs)
     for name, seq in (("environments", environments), ("row_seeds", row_seeds), ("prompt_ids", prompt_ids)):
         if seq is not None and len(seq) != n:
             raise ValueError(f"{len(seq)} {name} for {n} prompts.")

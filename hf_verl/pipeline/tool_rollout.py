@@ -37,6 +37,7 @@ from hf_verl.pipeline.multi_turn import (
     generate_with_tools,
     observation_ids,
     reset_environments,
+    rollout_chat_template_kwargs,
 )
 from hf_verl.rollout.base import RolloutEngine, SamplingParams
 from hf_verl.rollout.tools import (
@@ -151,8 +152,13 @@ class ToolRollout:
         return [_environment_reward(t) for t in self.environment_types]
 
     # ------------------------------------------------------------------ checks
-    def check_tokenizer(self, tokenizer: Any) -> None:
-        """Raise unless `tokenizer`'s chat template renders a tool exchange and keeps earlier turns as they are."""
+    def check_tokenizer(self, tokenizer: Any, chat_template_kwargs: dict | None = None) -> None:
+        """Raise unless `tokenizer`'s chat template renders a tool exchange and keeps earlier turns as they are.
+
+        Qwen3's template, which does not keep them, passes: the rollouts render with hf_verl's Qwen3 training
+        template instead (:func:`~hf_verl.pipeline.multi_turn.rollout_chat_template_kwargs`, logged once);
+        the tokenizer is not modified. Any other template that rewrites earlier turns is refused.
+        """
         if not supports_tool_calling(tokenizer):
             raise ValueError(
                 "the tokenizer's chat template cannot render tool calls (a user turn, an assistant turn with "
@@ -163,7 +169,8 @@ class ToolRollout:
         try:
             observation_ids(tokenizer, [{"role": "user", "content": "hi"},
                                         {"role": "assistant", "content": "", "tool_calls": [call]}],
-                            [{"role": "tool", "name": "f", "content": "2"}])
+                            [{"role": "tool", "name": "f", "content": "2"}],
+                            chat_template_kwargs=rollout_chat_template_kwargs(tokenizer, chat_template_kwargs))
         except ValueError as err:
             raise ValueError(f"tool-calling rollouts cannot use this tokenizer's chat template: {err}") from None
 
@@ -234,6 +241,8 @@ class ToolRollout:
         t0 = time.perf_counter()
         prompts = [r["prompt"] for r in rows]
         self.check_prompts(prompts)
+        # the prompts, observations and generation prompts all render with one template (Qwen3's is swapped)
+        chat_template_kwargs = rollout_chat_template_kwargs(tokenizer, chat_template_kwargs)
         environments = self.take_environments(rows)
         try:
             if environments is not None:
@@ -244,7 +253,7 @@ class ToolRollout:
             for row, prompt in zip(rows, prompts):  # each row's prompt carries its own tools' schemas
                 schemas = self._schemas[self._environment_name(row)]
                 tok = tokenize_prompts([prompt], tokenizer, max_prompt_length,
-                                       {**(chat_template_kwargs or {}), "tools": schemas})
+                                       {**chat_template_kwargs, "tools": schemas})
                 prompt_ids.append(tok.ids[0])
                 num_truncated += tok.num_truncated
             batch = generate_with_tools(
