@@ -234,8 +234,11 @@ def summarize(suite: str, meta: dict, trl: dict, ours: dict) -> tuple[dict, str]
     lines = [f"# TRL `{suite}` suite against hf_verl", "",
              f"TRL test files: {meta['trl_src']} @ {meta['trl_ref']} (VERSION {meta['trl_tests_version']}); "
              f"installed trl {meta['trl_installed']}; hf_verl from {meta['hf_verl_src']}; run {meta['date']}.", "",
-             f"Import line(s) changed for hf_verl: {'; '.join(meta['rewritten']) or '(none)'}", "",
-             "| | count |", "|---|---|"]
+             f"Import line(s) changed for hf_verl: {'; '.join(meta['rewritten']) or '(none)'}", ""]
+    if meta.get("keyword"):
+        rerun = f"Rerun here: the tests matching `-k {meta['keyword']!r}`; the others' outcomes are from earlier runs."
+        lines += [rerun, ""]
+    lines += ["| | count |", "|---|---|"]
     lines += [f"| {k.replace('_', ' ')} | {v} |" for k, v in counts.items()]
     lines += ["", f"**{len(both)} of the {len(compared)} tests that pass on TRL pass on hf_verl.**", "",
               "## Passing on TRL, not on hf_verl", "", "| test | hf_verl | first error line |", "|---|---|---|"]
@@ -303,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keyword and stored.exists():  # a subset updates the stored full run, test by test
             merged = {**json.loads(stored.read_text()), **merged}
         stored.write_text(json.dumps(merged, indent=1))
+        results[target] = merged  # the summary covers the whole stored run, not only the subset
     for target in ("trl", "hf_verl"):
         if target not in results:
             stored = out / f"{target}.json"
