@@ -256,3 +256,49 @@ def test_rejections_name_what_to_change(tmp_path):
                     train_dataset=_dataset(), processing_class=tok, rollout_func=lambda prompts, trainer: {})
     with pytest.raises(ValueError, match="No reward source provided"):
         GRPOTrainer(model=model, args=_args(tmp_path), train_dataset=_dataset(), processing_class=tok, tools=[add])
+
+
+class RoutedEnv:
+    """Owns its data: `reset` writes the prompt's only content; records what it was reset with."""
+
+    resets: list = []
+
+    def reset(self, **row):
+        type(self).resets.append(row)
+        return "add 2 and 3"
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first integer
+            b: the second integer
+        """
+        return a + b
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_rows_without_prompt_route_to_environments_that_own_the_data(tmp_path):
+    # TRL: a dict environment_factory may be fed rows with only an `environment` column; each row's prompt is an
+    # empty user message that reset() fills, and reset() receives neither that placeholder nor the routing column
+    tok = _tokenizer()
+    model = _bigram_llama(tok)
+    seen = {}
+
+    def sees_prompts(prompts, completions, **kwargs):
+        seen.setdefault("prompts", []).extend(prompts)
+        return [0.0] * len(completions)
+
+    RoutedEnv.resets = []
+    ds = Dataset.from_dict({"environment": ["a", "b"] * 4, "level": [1, 2] * 4})
+    trainer = GRPOTrainer(model=model, reward_funcs=sees_prompts, args=_args(tmp_path, max_steps=1),
+                          train_dataset=ds, processing_class=tok,
+                          environment_factory={"a": RoutedEnv, "b": RoutedEnv})
+    trainer.train()
+    resets = [r for r in RoutedEnv.resets if r]  # the constructor's probe resets with no row
+    assert resets and all(set(r) == {"level"} for r in resets)
+    assert seen["prompts"] and all(p[-1]["role"] == "user" and p[-1]["content"].endswith("add 2 and 3")
+                                   for p in seen["prompts"])
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == 1

@@ -125,6 +125,7 @@ class ToolRollout:
             factories = {None: environment_factory}
         self.factories = factories
         self.multi_environment = isinstance(environment_factory, Mapping)
+        self.reset_excludes: tuple[str, ...] = ()  # row columns the environments' `reset` does not receive
         self._lock = threading.Lock()
         self._pool: dict[Any, list] = {}
         self._schemas: dict[Any, list[dict] | None] = {None: tool_schemas(self.tools) or None}
@@ -246,8 +247,8 @@ class ToolRollout:
         environments = self.take_environments(rows)
         try:
             if environments is not None:
-                reset_rows = [{k: v for k, v in r.items() if k != ENVIRONMENT_COLUMN} if self.multi_environment
-                              else r for r in rows]
+                skip = set(self.reset_excludes) | ({ENVIRONMENT_COLUMN} if self.multi_environment else set())
+                reset_rows = [{k: v for k, v in r.items() if k not in skip} for r in rows]
                 prompts = reset_environments(environments, prompts, reset_rows)
             prompt_ids, num_truncated = [], 0
             for row, prompt in zip(rows, prompts):  # each row's prompt carries its own tools' schemas

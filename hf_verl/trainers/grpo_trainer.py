@@ -38,6 +38,12 @@ from hf_verl.trainers.policy_control import EntropyController, ReferenceMixCallb
 logger = logging.getLogger(__name__)
 
 
+def _needs_placeholder_prompt(train_dataset, environment_factory) -> bool:
+    """Rows that only route to environments (an `environment` column, no `prompt`): environments own the data."""
+    columns = getattr(train_dataset, "column_names", None)
+    return environment_factory is not None and bool(columns) and "prompt" not in columns
+
+
 class GRPOTrainer(OnPolicyTrainer):
     """Train a causal LM with GRPO (TRL's constructor and meanings).
 
@@ -96,10 +102,13 @@ class GRPOTrainer(OnPolicyTrainer):
                              "disabled and cannot be mixed; set sync_ref_model=False or train without peft_config.")
         if args.vllm_mode not in ("colocate", "server"):
             raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {args.vllm_mode!r}.")
+        placeholder_prompts = _needs_placeholder_prompt(train_dataset, environment_factory)
         train_dataset = self._environment_owned_data(args, train_dataset, environment_factory)
         tool_rollout, reward_funcs, reward_processing_classes, args = self._tool_setup(
             args, tools, environment_factory, rollout_func, funcs or None, reward_processing_classes, processing_class,
             train_dataset)
+        if placeholder_prompts:
+            tool_rollout.reset_excludes = ("prompt",)
         super().__init__(model=model, args=args, reward_funcs=reward_funcs,
                          reward_processing_classes=reward_processing_classes, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -145,7 +154,7 @@ class GRPOTrainer(OnPolicyTrainer):
             raise ValueError("advantage_estimator='remax' with tools / environment_factory is not supported: its "
                              "greedy baseline is generated single-turn, without tools; choose another estimator.")
         tool_rollout = ToolRollout(tools, environment_factory, args.max_tool_calling_iterations)
-        tool_rollout.check_tokenizer(processing_class)
+        tool_rollout.check_tokenizer(processing_class, args.chat_template_kwargs)
         columns = list(getattr(train_dataset, "column_names", None) or [])
         if columns and "prompt" not in columns:
             raise ValueError(f"tools / environment_factory need a 'prompt' column of chat messages; the dataset has "
@@ -169,7 +178,11 @@ class GRPOTrainer(OnPolicyTrainer):
     @staticmethod
     def _environment_owned_data(args: GRPOConfig, train_dataset, environment_factory):
         """TRL: without a `train_dataset`, a single environment owns the data (its `reset()` returns the prompt)
-        and `max_steps` sets the length; the rounds then draw from a placeholder of empty user prompts."""
+        and `max_steps` sets the length; the rounds then draw from a placeholder of empty user prompts. A dataset
+        without a `prompt` column (rows that only route to environments) gets the same placeholder prompt, which
+        the environments' `reset` does not receive (as in TRL)."""
+        if _needs_placeholder_prompt(train_dataset, environment_factory):
+            return train_dataset.map(lambda _row: {"prompt": [{"role": "user", "content": ""}]})
         if train_dataset is not None:
             return train_dataset
         if environment_factory is None:
@@ -189,6 +202,7 @@ class GRPOTrainer(OnPolicyTrainer):
 
     def _max_new_tokens(self) -> int:
         return self.args.max_completion_length
+
 
     # ------------------------------------------------------------------ TRL's public helpers
     @property
