@@ -123,6 +123,9 @@ def _text(rng, vocab, lo, hi):
     return " ".join(f"w{rng.randrange(vocab)}" for _ in range(rng.randint(max(lo, 1), hi)))
 
 
+PADDING_FREE: list[bool | None] = [None]  # set from --padding-free
+
+
 def distinct_words(completions, **kwargs):
     """A cheap rule reward with spread: the number of distinct words."""
     return [float(len(set(c.split()))) for c in completions]
@@ -130,6 +133,9 @@ def distinct_words(completions, **kwargs):
 
 def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
     from datasets import Dataset
+
+    # this checkout's rollout packing (--padding-free; the TRL and baseline sides have no such switch)
+    packing = {} if which != "hf_verl" or PADDING_FREE[0] is None else {"padding_free": PADDING_FREE[0]}
 
     rng = random.Random(0)
     from dpo_step import build_word_tokenizer
@@ -149,7 +155,7 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
         model.generation_config.eos_token_id = tok.eos_token_id
         prompts = [_text(rng, cell.vocab, *cell.prompt_words) for _ in range(256)]
         args = GRPOConfig(**common, num_generations=cell.group, max_completion_length=cell.answer_words[1],
-                          learning_rate=1e-4, beta=0.0)
+                          learning_rate=1e-4, beta=0.0, **packing)
         return GRPOTrainer(model=model, reward_funcs=distinct_words, args=args, processing_class=tok,
                            train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=callbacks)
     if cell.algo == "ppo":  # this checkout, or the --baseline tree (first on sys.path, see child())
@@ -160,7 +166,7 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
         critic = _critic_for(cell, tok)
         prompts = [_text(rng, cell.vocab, *cell.prompt_words) for _ in range(256)]
         args = PPOConfig(**common, num_mini_batches=cell.group, response_length=cell.answer_words[1],
-                         learning_rate=1e-5, stop_token="eos")
+                         learning_rate=1e-5, stop_token="eos", **packing)
         return PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=model, reward_model=distinct_words,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), value_model=critic, callbacks=callbacks)
     import copy
@@ -184,6 +190,10 @@ def child(cell: Cell, which: str, steps: int, baseline: str | None = None) -> No
         if not baseline:
             raise SystemExit("PPO cells compare against an earlier hf_verl: pass --baseline <source tree>.")
         sys.path.insert(0, str(Path(baseline).resolve()))
+        import hf_verl  # now, before a helper module puts this checkout first on sys.path again
+
+        if not Path(hf_verl.__file__).resolve().is_relative_to(Path(baseline).resolve()):
+            raise SystemExit(f"the baseline run imported hf_verl from {hf_verl.__file__}, not from {baseline}")
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(cell, which, steps, out, [timer])
@@ -203,6 +213,8 @@ def spawn(cell: Cell, which: str, steps: int, baseline: str | None = None) -> di
     cmd = [sys.executable, __file__, "--child", which, "--cells", cell.name, "--steps", str(steps)]
     if baseline:
         cmd += ["--baseline", baseline]
+    if PADDING_FREE[0] is not None:
+        cmd += ["--padding-free", str(PADDING_FREE[0]).lower()]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"{cell.name} {which} failed:\n{res.stderr[-4000:]}")
@@ -236,10 +248,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="override every cell's step count")
     p.add_argument("--json", default=None, help="write every run and ratio here")
     p.add_argument("--baseline", default=None, help="an earlier hf_verl source tree, the PPO cells' comparison")
+    p.add_argument("--padding-free", choices=["auto", "true", "false"], default="auto",
+                   help="this checkout's GRPO/PPO rollout packing (default: the trainers' own default, auto)")
     p.add_argument("--warmup", action="store_true", help="one untimed run of each side before a cell's pairs")
     p.add_argument("--smoke", action="store_true", help="2 steps per run, one pair: a build check, no figures")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    PADDING_FREE[0] = {"auto": None, "true": True, "false": False}[a.padding_free]
     cells = [c for c in CELLS if a.algo == c.algo or (a.algo == "all" and (c.algo != "ppo" or a.baseline))]
     if a.cells:
         wanted = a.cells.split(",")

@@ -560,8 +560,8 @@ def test_transformers_generation_kwargs_reach_generate(tmp_path):
 
 
 def test_a_lora_adapter_on_the_lm_head_trains(tmp_path):
-    """TRL 1.16 refuses an adapter on lm_head (its fused LM head reads lm_head.weight and would never train it);
-    hf_verl computes the log-probs through the head module, so the adapter trains like any other."""
+    """Without Liger, hf_verl computes the log-probs through the head module, so an adapter on lm_head trains like
+    any other (TRL refuses it only with use_liger_kernel=True, as hf_verl does: see the next test)."""
     from peft import LoraConfig
 
     tok = build_char_tokenizer()
@@ -573,3 +573,24 @@ def test_a_lora_adapter_on_the_lm_head_trains(tmp_path):
     assert head
     trainer.train()
     assert all(not torch.equal(p, head[n]) for n, p in trainer.model.named_parameters() if n in head)
+
+
+def test_liger_with_an_lm_head_adapter_is_refused_and_modules_to_save_is_not(tmp_path):
+    from peft import LoraConfig
+
+    tok = build_char_tokenizer()
+    kw = dict(reward_funcs=count_a, processing_class=tok, train_dataset=Dataset.from_dict({"prompt": ["abc"] * 8}),
+              args=_args(tmp_path, use_liger_kernel=True))
+    with pytest.raises(ValueError, match="use_liger_kernel=True with a PEFT adapter on lm_head.*modules_to_save"):
+        GRPOTrainer(model=_model(tok), peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), **kw)
+    # a whole trained copy of the head (modules_to_save) passes the guard; what stops it where liger-kernel is not
+    # installed is the package check, at construction (as in TRL), not at train()
+    from transformers.utils import is_liger_kernel_available
+
+    if is_liger_kernel_available():
+        GRPOTrainer(model=_model(tok), peft_config=LoraConfig(r=4, target_modules=["q_proj"],
+                                                              modules_to_save=["lm_head"]), **kw)
+    else:
+        with pytest.raises(ImportError, match="use_liger_kernel=True needs liger-kernel"):
+            GRPOTrainer(model=_model(tok), peft_config=LoraConfig(r=4, target_modules=["q_proj"],
+                                                                  modules_to_save=["lm_head"]), **kw)

@@ -38,6 +38,28 @@ from hf_verl.trainers.policy_control import EntropyController, ReferenceMixCallb
 logger = logging.getLogger(__name__)
 
 
+def _check_liger(model, args: GRPOConfig) -> None:
+    """`use_liger_kernel=True`, checked at construction as TRL does (transformers applies the kernels, and would
+    only fail for a missing package, when `train()` starts). TRL's guard first: Liger's kernels replace the
+    model's forward and its fused loss paths read `lm_head.weight` itself, so a LoRA adapter wrapping `lm_head`
+    could go untrained."""
+    if not args.use_liger_kernel:
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, BaseTunerLayer):
+        raise ValueError("use_liger_kernel=True with a PEFT adapter on lm_head: Liger's fused paths read "
+                         "lm_head.weight directly, so the adapter could go untrained (TRL refuses this too). Drop "
+                         "'lm_head' from target_modules, train it whole with modules_to_save=['lm_head'], or set "
+                         "use_liger_kernel=False.")
+    from transformers.utils import is_liger_kernel_available
+
+    if not is_liger_kernel_available():
+        raise ImportError("use_liger_kernel=True needs liger-kernel (pip install liger-kernel, a GPU package); or set "
+                          "use_liger_kernel=False: hf_verl's chunked LM head already avoids a whole logits tensor.")
+
+
 def _needs_placeholder_prompt(train_dataset, environment_factory) -> bool:
     """Rows that only route to environments (an `environment` column, no `prompt`): environments own the data."""
     columns = getattr(train_dataset, "column_names", None)
@@ -94,6 +116,7 @@ class GRPOTrainer(OnPolicyTrainer):
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
+        _check_liger(model, args)
         if args.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(model)
         self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss(model, args.router_aux_loss_coef)
