@@ -16,7 +16,8 @@ advantages over the data-parallel round, the policy and value losses, weight syn
 It adds only the loop API: roles that load lazily (:mod:`hf_verl.facade.roles`), a validated live
 :class:`~hf_verl.facade.config.TrainerConfig` with the trainers' vocabulary, trace ids and debug
 records (:mod:`hf_verl.facade.debug`), and asynchronous rollout over the user's batches
-(`rollout()` / `rollouts(batches)`, :mod:`hf_verl.pipeline.prefetch`).
+(`rollout()` / `rollouts(batches)`, :mod:`hf_verl.facade.prefetch` on the worker of
+:mod:`hf_verl.pipeline.prefetch`).
 
 Departures from TRL's PPO: the KL to the reference is always a loss term (GRPO style,
 `kl_estimator`, default k3), also with GAE, where TRL's PPO puts it into the token rewards; old
@@ -45,28 +46,22 @@ from hf_verl.facade.debug import (
     peak_memory_mb,
     trace,
 )
-from hf_verl.facade.prefetch import GENERATION_SETTINGS, Generated, Pending
+from hf_verl.facade.prefetch import END, AsyncRollout, Generated
 from hf_verl.facade.roles import LazyModel, model_device_dtype, vocab_size
-from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
+from hf_verl.facade.rollout import Rollout
 from hf_verl.parallel import comm
 from hf_verl.parallel.capabilities import parallelism_report, supported_parallelisms
-from hf_verl.pipeline import generation, losses, phases
-from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
+from hf_verl.pipeline import losses, phases
+from hf_verl.pipeline.prefetch import frozen_copy
 from hf_verl.pipeline.rewards import place_reward_models
-from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
-from hf_verl.pipeline.tool_rollout import (
-    ToolRollout,
-    engine_context_length,
-    tool_frequencies,
-    tool_metrics,
-)
-from hf_verl.rewards.callables import combine_rewards, reward_func_name
+from hf_verl.pipeline.sync import sync_weights
+from hf_verl.pipeline.tool_rollout import ToolRollout, tool_frequencies, tool_metrics
+from hf_verl.rewards.callables import reward_func_name
 from hf_verl.rewards.reward_model import resolve_reward_sources
-from hf_verl.rollout.base import RolloutEngine, SamplingParams
+from hf_verl.rollout.base import RolloutEngine
 
 logger = TraceLogger(logging.getLogger(__name__), {})
 _DATASET = "dataset"  # key of `rollout()`'s own prefetch (each `rollouts()` generator has its own key)
-_END = object()  # no further batch
 _CRITIC_FREE = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
@@ -136,7 +131,6 @@ class Trainer:
         self.debug_mode = False
         self._order: list[int] = []
         self._epoch = 0
-        self._rounds = 0  # rollouts generated so far: the round index of per-row sampling seeds
         self._layout = None  # (backend, dims, accelerator), decided on first use
         self._engines: dict[str, AccelerateEngine] = {}
         self._sharded_rewards = 0
@@ -147,12 +141,11 @@ class Trainer:
         self._loss_rollout: Rollout | None = None
         self._loss_parts: tuple[torch.Tensor, list] | None = None
         self.global_step = 0
-        self._pending: dict[Any, Pending] = {}  # prefetched rollouts, by source (`rollout()` or a generator)
-        self._prefetcher = RolloutPrefetcher("hf_verl-facade-rollout")
-        weakref.finalize(self, self._prefetcher.close, False)
+        self._async_rollout = AsyncRollout(self)  # the worker and the prefetched rollouts, by source
+        weakref.finalize(self, self._async_rollout.prefetcher.close, False)
         self._engine_step = 0  # the actor step the engine's weights are from (engines that own weights)
         self._sync_deferred = False
-        self._explicit_logged = self._sync_logged = False
+        self._explicit_logged = False
         self.config.add_listener(self._on_config_change)
 
     # ------------------------------------------------------------------ roles and engines
@@ -315,14 +308,15 @@ class Trainer:
         is rolled out synchronously: use [`~Trainer.rollouts`] to prefetch batches.
         """
         if batch is None:
-            return self._serve(_DATASET, lambda: self._draw(self.config.rollout_batch_size))
+            generated = self._async_rollout.serve(_DATASET, lambda: self._draw(self.config.rollout_batch_size))
+            return self._finish(generated)
         trace_id = new_trace_id()
         with trace(trace_id):
             if self.config.use_async_rollout and not self._explicit_logged:
                 self._explicit_logged = True
                 logger.info("rollout(batch) with an explicit batch is not prefetched (synchronous); for asynchronous "
                             "rollout over your batches use `for rollout in trainer.rollouts(loader): ...`")
-            return self._finish(self._generate_now(batch, trace_id))
+            return self._finish(self._async_rollout.generate_now(batch, trace_id))
 
     def rollouts(self, batches: Iterable[Any]) -> Iterator[Rollout]:
         """One [`Rollout`] per batch of `batches`, generating the next batch while the caller trains.
@@ -343,143 +337,10 @@ class Trainer:
         """
         iterator, key = iter(batches), object()
         try:
-            while (out := self._serve(key, lambda: next(iterator, _END))) is not None:
-                yield out
+            while (generated := self._async_rollout.serve(key, lambda: next(iterator, END))) is not None:
+                yield self._finish(generated)
         finally:
-            self._pending.pop(key, None)  # an early break drops the prefetch; its generation just ends
-
-    def _prefetching(self) -> bool:
-        cfg = self.config
-        if cfg.use_async_rollout and cfg.max_staleness == 0 and not self._sync_logged:
-            self._sync_logged = True
-            logger.info("max_staleness=0: every rollout is generated synchronously with the current weights")
-        return cfg.use_async_rollout and cfg.max_staleness > 0
-
-    def _generation_settings(self) -> dict[str, Any]:
-        return {k: getattr(self.config, k) for k in GENERATION_SETTINGS}
-
-    def _serve(self, key: Any, next_batch: Callable[[], Any]) -> Rollout | None:
-        """Hand out `key`'s prefetched rollout (or roll one out now), then start its next prefetch."""
-        pending, generated, wait_s = self._pending.pop(key, None), None, 0.0
-        if pending is None:
-            batch = next_batch()
-            if batch is _END:
-                return None
-        else:
-            t0 = time.perf_counter()
-            generated = pending.future.result()  # a background error is raised here, as it was raised
-            wait_s, batch = time.perf_counter() - t0, pending.batch
-            if not self._prefetching() or pending.settings != self._generation_settings():
-                logger.info("dropping the prefetched rollout (async rollout or a generation setting changed since "
-                            "it started); regenerating its %d prompts now", self._num_rows(batch))
-                generated = None
-            elif self.global_step - generated.weights_step > self.config.max_staleness:
-                self._pending[key] = pending  # kept: a retry with a higher max_staleness uses it
-                raise RuntimeError(self._staleness_message(generated.weights_step))
-        if generated is None:
-            generated = self._generate_now(batch, new_trace_id())
-        if self._prefetching() and (nxt := next_batch()) is not _END:
-            self._pending[key] = self._submit(nxt)
-        generated.timings["rollout_wait"] = wait_s
-        return self._finish(generated)
-
-    def _staleness_message(self, weights_step: int) -> str:
-        lag = self.global_step - weights_step
-        return (f"the prefetched rollout was generated with the actor's weights of step {weights_step} and would be "
-                f"used at step {self.global_step}: staleness {lag} exceeds config.max_staleness="
-                f"{self.config.max_staleness}. step() ran {lag} times since the previous rollout (PPO epochs or "
-                f"mini-batches?): set config.max_staleness >= {lag}, or config.use_async_rollout = False for "
-                "on-policy rollouts; the next rollout() then uses (or regenerates) the same prompts.")
-
-    @staticmethod
-    def _num_rows(batch: Any) -> int:
-        return len(batch["prompt"]) if isinstance(batch, Mapping) else len(batch)
-
-    def _generate_now(self, batch: Any, trace_id: str) -> Generated:
-        """Generate and score `batch` on the main thread with the actor's current weights."""
-        with trace(trace_id):
-            prompts, columns = self._prompts(batch)
-            engine = self.engine
-            if self._prefetcher.busy(engine):
-                self._prefetcher.wait_idle()
-            self._sync_deferred_weights()
-            shared = shares_actor_weights(engine, self.actor_engine)
-            prompt_ids, num_truncated = self._tokenize(prompts)
-            generated = self._collect(prompts, prompt_ids, num_truncated, columns, engine, None,
-                                      self.global_step if shared else self._engine_step, not shared,
-                                      self._next_row_seeds(len(prompts)))
-        generated.out.meta["trace_id"] = trace_id
-        return generated
-
-    def _next_row_seeds(self, rows: int) -> list[int] | None:
-        index, self._rounds = self._rounds, self._rounds + 1
-        if not self.config.per_row_sampling_seed:
-            return None
-        dims = self.dims
-        return generation.row_seeds(self.config.seed, index, dims.dp_rank, dims.dp_size, rows)
-
-    def _submit(self, batch: Any) -> Pending:
-        """Start generating `batch` in the background (rows drawn and tokenized here, on the main thread)."""
-        if self._sharded_rewards:
-            raise ValueError("reward models are sharded with the policy (FSDP2 / ZeRO-3) and score on the main "
-                             "thread: set config.use_async_rollout = False.")
-        prompts, columns = self._prompts(batch)
-        prompt_ids, num_truncated = self._tokenize(prompts)
-        actor = self.actor_engine
-        engine = self._prefetcher.engine_for(self.engine, actor, self.global_step)
-        if engine is self._prefetcher.copy_engine:
-            sync_s = self._prefetcher.sync_copy(actor, self.global_step)
-            version, weights_step = self.engine.weight_version, self.global_step
-        else:
-            self._prefetcher.wait_idle()
-            t0 = time.perf_counter()
-            self._sync_deferred_weights()
-            sync_s, version, weights_step = time.perf_counter() - t0, None, self._engine_step
-        # the copy holds the actor's exact weights: only its staleness makes it off-policy
-        off_policy = engine is not self._prefetcher.copy_engine and not shares_actor_weights(engine, actor)
-        future = self._prefetcher.submit(engine, self._collect_in_background, new_trace_id(), sync_s, prompts,
-                                         prompt_ids, num_truncated, columns, engine, version, weights_step,
-                                         off_policy, self._next_row_seeds(len(prompts)))
-        return Pending(batch, self._generation_settings(), future)
-
-    def _collect_in_background(self, trace_id: str, sync_s: float, *args: Any) -> Generated:
-        with trace(trace_id):
-            generated = self._collect(*args)
-        generated.out.meta["trace_id"] = trace_id
-        generated.timings["weight_sync"], generated.prefetched = sync_s, True
-        return generated
-
-    def _collect(self, prompts: list, prompt_ids: list[list[int]], num_truncated: int, columns: dict[str, list],
-                 engine: RolloutEngine, version: int | None, weights_step: int, off_policy: bool,
-                 row_seeds: list[int] | None = None) -> Generated:
-        """Generate and score: reads no trainer role, so it may run off the main thread."""
-        cfg = self.config
-        t0 = time.perf_counter()
-        sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                  top_p=cfg.top_p, top_k=cfg.top_k)
-        device = model_device_dtype(self.model)[0]
-        if self._tool_rollout is not None:  # multi-turn: the trainers' tool-calling path
-            rows = [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
-            result = self._tool_rollout.generate_and_score(
-                engine, rows, self.tokenizer, sampling, self.reward_funcs, columns, device=device,
-                row_seeds=row_seeds, max_prompt_length=cfg.max_prompt_length, version=version, batch_cls=Rollout,
-                max_context_length=engine_context_length(engine), max_iterations=cfg.max_tool_calling_iterations)
-            out, per_func, t1 = result.batch, result.rewards_per_func, t0 + result.generate_s
-            num_truncated = -(-result.num_truncated // cfg.num_generations)
-            self._record("actor->rollout", out.tensor_fields())
-        else:
-            self._record("prompts->actor", {"prompt_ids": torch.tensor([len(p) for p in prompt_ids])})
-            out = generation.generate(engine, prompt_ids, prompts, sampling, self.tokenizer, device,
-                                      row_seeds=row_seeds, version=version, batch_cls=Rollout)
-            self._record("actor->rollout", out.tensor_fields())
-            t1 = time.perf_counter()
-            per_func = generation.score(self.reward_funcs, out, columns)
-        for k, v in columns.items():
-            out.meta[COLUMN_PREFIX + k] = v
-        out.rewards = combine_rewards(per_func, self.reward_weights).to(out.device)
-        self._record("reward->rollout", {"rewards": out.rewards})
-        timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}
-        return Generated(out, per_func, num_truncated, weights_step, off_policy, timings)
+            self._async_rollout.pending.pop(key, None)  # an early break drops the prefetch; its generation just ends
 
     def _finish(self, generated: Generated) -> Rollout:
         """The trainer-dependent phases of a rollout, on the main thread with the current roles."""
@@ -746,7 +607,7 @@ class Trainer:
                 m["grad_norm/critic"] = critic.step(cfg.max_grad_norm)
                 m["lr/critic"] = self._critic_opt.param_groups[0]["lr"]
             self.global_step += 1
-            if self._prefetcher.busy(self.engine):  # never while it generates: synced before its next generation
+            if self._async_rollout.prefetcher.busy(self.engine):  # never while it generates: synced before its next generation
                 self._sync_deferred = True
             else:
                 self._sync_engine()
@@ -796,8 +657,7 @@ class Trainer:
         """Stop the background rollout worker (a generation in flight finishes first), drop prefetched
         rollouts and free the actor copy. The Trainer is also a context manager that closes on exit;
         using it again after `close()` starts a new worker."""
-        self._pending.clear()
-        self._prefetcher.close()
+        self._async_rollout.close()
 
     def __enter__(self) -> Trainer:
         return self
