@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+MMAP_THRESHOLD = 65536
+
+
 def _rss_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -52,7 +55,8 @@ def _model(vocab=8000):
                                         attn_implementation="sdpa", tie_word_embeddings=False, pad_token_id=0))
 
 
-def child(length: int, repeats: int, out: str) -> None:
+def child(length: int, repeats: int, out: str, backend_kind: str = "ddp", optimizer: str = "sgd",
+          checkpointing: bool = False) -> None:
     """One run (a single process, or one rank of a torchrun launch): prints/writes one JSON line per rank."""
     import torch
     import torch.distributed as dist
@@ -78,15 +82,19 @@ def child(length: int, repeats: int, out: str) -> None:
             comm_s[0] += time.perf_counter() - t
 
     ulysses._all_to_all = timed
-    dims = ParallelDims.data_parallel(world, rank, shard=False, sp=world)
-    backend = BackendSpec("ddp") if world > 1 else BackendSpec()
+    kind = backend_kind if world > 1 else "plain"
+    dims = ParallelDims.data_parallel(world, rank, shard=kind == "fsdp2", sp=world)
+    backend = BackendSpec(kind)
     accelerator = None
-    if world > 1:
+    if kind == "ddp":
         from accelerate import Accelerator
 
         accelerator = Accelerator(cpu=True)
-    engine = AccelerateEngine(_model(), role="actor", dims=dims, backend=backend, accelerator=accelerator)
-    engine.attach_optimizer(torch.optim.SGD(engine.module.parameters(), lr=1e-4))
+    engine = AccelerateEngine(_model(), role="actor", dims=dims, backend=backend, accelerator=accelerator,
+                              gradient_checkpointing=checkpointing)
+    params = engine.module.parameters()
+    engine.attach_optimizer(torch.optim.AdamW(params, lr=1e-4) if optimizer == "adamw"
+                            else torch.optim.SGD(params, lr=1e-4))
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 8000, (length // 4,), generator=g).tolist()
     completion = torch.randint(1, 8000, (length - len(prompt),), generator=g).tolist()
@@ -112,10 +120,14 @@ def child(length: int, repeats: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def run(length: int, sp: int, repeats: int, tmp: str) -> dict:
+def run(length: int, sp: int, repeats: int, tmp: str, extra: list[str], glibc_heap: bool = False) -> dict:
     out = f"{tmp}/sp{sp}_{length}"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // sp)))
-    script = [str(Path(__file__).resolve()), "--child", str(length), "--repeats", str(repeats), "--out", out]
+    if not glibc_heap:
+        # every block of 64 KiB or more is its own mapping, returned to the system when freed, so that the peak RSS
+        # is the memory the step holds at once (what a GPU's allocator peak measures), not glibc's heap history
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    script = [str(Path(__file__).resolve()), "--child", str(length), "--repeats", str(repeats), "--out", out, *extra]
     if sp == 1:
         cmd = [sys.executable, *script]
     else:
@@ -179,13 +191,22 @@ def main() -> None:
                                                         "longest)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cap-mib", type=float, default=None)
+    p.add_argument("--backend", choices=["ddp", "fsdp2"], default="ddp",
+                   help="the layout of the SP=2 runs (FSDP2 also shards weights, gradients and optimizer state over "
+                        "the two ranks); SP=1 is one plain process either way")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--glibc-heap", action="store_true",
+                   help=f"keep glibc's default dynamic mmap threshold (by default the runs set MALLOC_MMAP_THRESHOLD_="
+                        f"{MMAP_THRESHOLD}: with glibc's default, freed blocks of up to 32 MiB stay in the heap and the "
+                        "peak RSS depends on the order of allocations more than on what the step holds)")
     p.add_argument("--packing", action="store_true")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child is not None:
-        child(a.child, a.repeats, a.out)
+        child(a.child, a.repeats, a.out, a.backend, a.optimizer, a.checkpointing)
         return
     if a.packing:
         packing(a.rows, a.repeats)
@@ -195,11 +216,12 @@ def main() -> None:
     lengths = [int(x) for x in a.lengths.split(",")]
     sp2 = [int(x) for x in a.sp2_lengths.split(",")] if a.sp2_lengths else sorted(
         set(lengths) | {int(lengths[-1] * 1.5), lengths[-1] * 2})
+    extra = ["--backend", a.backend, "--optimizer", a.optimizer] + (["--checkpointing"] if a.checkpointing else [])
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for sp, todo in ((1, lengths), (2, sp2)):
             for length in todo:
-                r = run(length, sp, a.repeats, tmp)
+                r = run(length, sp, a.repeats, tmp, extra, a.glibc_heap)
                 results.append(r)
                 if "error" in r:
                     print(f"SP={sp} length {length}: failed: {r['error']}", flush=True)
