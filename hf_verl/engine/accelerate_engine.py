@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hf_verl.algorithms.logprobs import logprobs_from_head
-from hf_verl.engine.base import TokenStats, TrainingEngine
+from hf_verl.engine.base import TokenStats, TrainingEngine, select_positions
 from hf_verl.engine.precision import amp_dtype, autocast
 from hf_verl.parallel import deepspeed as ds
 from hf_verl.parallel.backend import BackendSpec
@@ -72,15 +72,17 @@ class AccelerateEngine(TrainingEngine):
             needs one to batch rows).
         padding_free (`bool`, *optional*): see [`TrainingEngine`]: pack rollouts padding-free (`None`: when
             a batch's padding share makes it pay).
+        shared_prefix (`bool`, *optional*): see [`TrainingEngine`]: score the rows of one prompt with the prompt
+            laid out once (`None`: when the layout's arithmetic makes it pay).
     """
 
     def __init__(self, model: torch.nn.Module, *, role: str, dims: ParallelDims, backend: BackendSpec,
                  accelerator: Any = None, trainable: bool = True, micro_batch_size: int = 1,
                  gradient_accumulation_steps: int = 1, max_grad_norm: float | None = 1.0, bf16: bool = False,
                  fp16: bool = False, gradient_checkpointing: bool = False, pad_token_id: int | None = None,
-                 padding_free: bool | None = None) -> None:
+                 padding_free: bool | None = None, shared_prefix: bool | None = None) -> None:
         self.role, self.dims, self.backend, self.trainable = role, dims, backend, trainable
-        self.padding_free = padding_free
+        self.padding_free, self.shared_prefix = padding_free, shared_prefix
         self._model = model
         self._module: torch.nn.Module = model
         self.optimizer: torch.optim.Optimizer | None = None
@@ -153,7 +155,7 @@ class AccelerateEngine(TrainingEngine):
             kwargs["output_router_logits"] = True
         with self.autocast():
             out = self.module(logits_to_keep=1, **kwargs)
-            hidden = out.hidden_states[-1][select]
+            hidden, targets = select_positions(out.hidden_states[-1], targets, select)
             aux = getattr(out, "aux_loss", None) if with_aux_loss else None
             if with_aux_loss and aux is None:
                 raise ValueError(f"the {self.role} model returned no aux_loss with output_router_logits=True: it is "
@@ -161,7 +163,7 @@ class AccelerateEngine(TrainingEngine):
             del out
             head = self.model.get_output_embeddings()
             logp, entropy, mean_logit, *sq = logprobs_from_head(
-                hidden, head, targets[select], temperature=temperature, chunk_size=chunk_size,
+                hidden, head, targets, temperature=temperature, chunk_size=chunk_size,
                 with_entropy=with_entropy, with_mean_logit=with_mean_logit, with_log_sum_sq=with_log_sum_sq)
         self._release_after_forward(logp)
         return TokenStats(logp, entropy, mean_logit, aux, sq[0] if sq else None)
@@ -182,7 +184,7 @@ class AccelerateEngine(TrainingEngine):
     def token_values(self, input_ids, select, *, attention_mask=None, position_ids=None) -> torch.Tensor:
         with self.autocast():
             out = self.module(**self._forward(input_ids, attention_mask, position_ids))
-            hidden = out.hidden_states[-1][select]
+            hidden = select_positions(out.hidden_states[-1], None, select)[0]
             del out
             values = value_head(self.model)(hidden).float()
         if values.shape[-1] != 1:

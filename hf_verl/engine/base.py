@@ -19,7 +19,11 @@ Two forward primitives carry everything:
 terms and return `(B, C)` tensors aligned with `completion_ids`, zero on padding. They pack the rows
 padding-free (:mod:`hf_verl.data.packing`, per-row causal attention) under sequence parallelism, and
 on one sequence-parallel rank when :attr:`TrainingEngine.padding_free` says so: `None` (the default)
-packs a rollout when :func:`packing_pays`, and the two paths agree to float rounding.
+packs a rollout when :func:`packing_pays`, and the two paths agree to float rounding. Rows that continue
+the same prompt (a GRPO group, a DPO pair) can instead be scored with the prompt laid out once
+(:mod:`hf_verl.data.prefix_sharing`) when :attr:`TrainingEngine.shared_prefix` says so: `None` (the default)
+does it when the layout's arithmetic (:func:`~hf_verl.data.prefix_sharing.sharing_cost`) is at most
+:data:`SHARE_MAX_COST_RATIO` of the layout it replaces; it too agrees with the padded path to float rounding.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ from dataclasses import dataclass
 import torch
 
 from hf_verl.data.batch import RolloutBatch
+from hf_verl.data.prefix_sharing import (
+    MAX_MASK_ELEMENTS,
+    SharedPrefixBatch,
+    packed_cost,
+    padded_cost,
+    share_prefixes,
+    sharing_cost,
+)
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
 
@@ -39,6 +51,11 @@ from hf_verl.parallel.dims import ParallelDims
 # CPU (benchmarks/packing.py), that call costs about as much as PACK_ROW_COST / hidden_size tokens do.
 PACK_ROW_COST = 2560
 PACK_MIN_PADDING_PER_ROW = 8
+# The shared-prompt layout is used (shared_prefix=None) when its arithmetic is at most this share of the layout it
+# replaces. The estimate leaves out the per-row and padding costs the layout also saves: on every shape of
+# benchmarks/prefix_sharing.py the layout was faster than the better of padded and packed, also where the estimate
+# was 0.92 (x1.19) and 1.01 (x1.04).
+SHARE_MAX_COST_RATIO = 1.0
 
 
 def packing_pays(attention_mask: torch.Tensor, hidden_size: int) -> bool:
@@ -77,6 +94,16 @@ def rollout_positions(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, 
     return input_ids, mask, select, targets
 
 
+def select_positions(hidden: torch.Tensor, targets: torch.Tensor | None,
+                     select: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(hidden[select], targets[select])` for a boolean `(B, T)` mask; for a `(N,)` index of flat positions into
+    `B * T` (a shared-prompt layout, where one position can predict several tokens), the hidden states at those
+    positions in that order, and `targets` as given (already one per entry)."""
+    if select.dtype == torch.bool:
+        return hidden[select], None if targets is None else targets[select]
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, select), targets
+
+
 def scatter_completion(batch: RolloutBatch, flat: torch.Tensor) -> torch.Tensor:
     """`(B, C)` tensor with `flat` (one value per real completion token, row-major) in place, 0 elsewhere."""
     out = flat.new_zeros(batch.completion_mask.shape)
@@ -99,6 +126,9 @@ class TrainingEngine(abc.ABC):
         trainable (`bool`): whether the engine runs backward / optimizer steps.
         padding_free (`bool`, *optional*): pack rollouts padding-free in :meth:`logprobs` / :meth:`values`
             (always under sequence parallelism); `None` decides per batch from its padding share.
+        shared_prefix (`bool`, *optional*): score the rows of one prompt with the prompt laid out once
+            (:meth:`logprobs`, :meth:`shared_layout`; one sequence-parallel rank only); `None` decides per batch
+            from its arithmetic, `True` whenever two rows share a prompt, `False` never.
     """
 
     role: str
@@ -106,6 +136,7 @@ class TrainingEngine(abc.ABC):
     backend: BackendSpec
     trainable: bool
     padding_free: bool | None = None
+    shared_prefix: bool | None = None
 
     # ------------------------------------------------------------------ models
     @property
@@ -143,7 +174,8 @@ class TrainingEngine(abc.ABC):
         Args:
             input_ids (`torch.Tensor` `(B, T)`): token ids (padded rows, or one packed row).
             targets (`torch.Tensor` `(B, T)`): at each selected position, the next token to score.
-            select (`torch.Tensor` `(B, T)` bool): the positions to score.
+            select (`torch.Tensor` `(B, T)` bool): the positions to score; or `(N,)` long, flat positions into
+                `B * T` in the order of the result, with `targets` `(N,)` (see :func:`select_positions`).
             attention_mask / position_ids: as the model takes them (packed rows: position ids only).
             temperature (`float`): logits are divided by it. chunk_size (`int`): positions per LM-head chunk.
             with_entropy / with_mean_logit (`bool`): also return those per position.
@@ -167,7 +199,13 @@ class TrainingEngine(abc.ABC):
             raise ValueError("a Mixture-of-Experts router aux loss (router_aux_loss_coef > 0) is not supported "
                              "with sequence_parallel_size > 1: set router_aux_loss_coef=0 or "
                              "sequence_parallel_size=1.")
-        if self._packs(batch, with_aux_loss):
+        packs = self._packs(batch, with_aux_loss)
+        if self.dims.sp == 1 and (layout := self._rollout_layout(batch, packs, with_aux_loss)) is not None:
+            stats = self.shared_token_logprobs(layout, temperature=temperature if temperature > 0 else 1.0,
+                                               chunk_size=chunk_size, with_entropy=with_entropy)
+            entropy = scatter_completion(batch, stats.entropy) if with_entropy else None
+            return scatter_completion(batch, stats.logp), entropy
+        if packs:
             return self._packed_logprobs(batch, temperature, chunk_size, with_entropy)
         input_ids, mask, select, targets = rollout_positions(batch)
         stats = self.token_logprobs(input_ids, targets, select, attention_mask=mask,
@@ -230,6 +268,69 @@ class TrainingEngine(abc.ABC):
             return True
         config = getattr(self.model, "config", None)
         return packing_pays(batch.attention_mask, getattr(config, "hidden_size", None) or 1024)
+
+    # ------------------------------------------------------------------ shared prompts
+    def shared_layout(self, prompts: list[list[int]], completions: list[list[int]], *, rows: int, width: int,
+                      packed: bool = False, with_aux_loss: bool = False) -> SharedPrefixBatch | None:
+        """The shared-prompt layout of `prompts[i] + completions[i]` (every completion token scored) when this
+        engine should use it instead of the current layout: `rows x width` padded, or those rows packed
+        (`packed`). `None`: run the current layout (no two rows share a prompt, `shared_prefix` is False or
+        the arithmetic says no, sequence parallelism, a router aux loss, or a model the layout does not suit).
+
+        Raises:
+            ValueError: `shared_prefix=True` on a model that does not attend with sdpa or has sliding-window layers.
+        """
+        if self.dims.sp > 1 or self.shared_prefix is False or with_aux_loss:
+            return None
+        from hf_verl.parallel.ulysses import packing_unsupported
+
+        reason = packing_unsupported(self.model)
+        if reason is not None:
+            if self.shared_prefix:
+                raise ValueError(f"shared_prefix=True cannot lay out the {self.role}'s rows by prompt: {reason}. Set "
+                                 "shared_prefix=None (where possible) or False.")
+            return None
+        layout = share_prefixes(prompts, completions, pad_token_id=self._pad_token_id())
+        if layout is None:
+            return None
+        if not self.shared_prefix:
+            model = self._cost_model()
+            current = (packed_cost([len(p) + len(c) for p, c in zip(prompts, completions)], **model) if packed
+                       else padded_cost(rows, width, **model))
+            if (layout.attention_mask.numel() > MAX_MASK_ELEMENTS
+                    or sharing_cost(layout, **model) > SHARE_MAX_COST_RATIO * current):
+                return None
+        return layout.to(self.device)
+
+    def shared_token_logprobs(self, layout: SharedPrefixBatch, **kwargs) -> TokenStats:
+        """:meth:`token_logprobs` over a :meth:`shared_layout`: one entry per scored token, in the input rows' order
+        (`layout.row_of` names each entry's row); `kwargs` as :meth:`token_logprobs` takes them."""
+        return self.token_logprobs(layout.input_ids, layout.targets, layout.index,
+                                   attention_mask=layout.attention_mask, position_ids=layout.position_ids, **kwargs)
+
+    def _rollout_layout(self, batch: RolloutBatch, packs: bool, with_aux_loss: bool) -> SharedPrefixBatch | None:
+        """:meth:`shared_layout` of a rollout batch whose completions are plain (no tool observations) and
+        scored from their first token on."""
+        if self.shared_prefix is False or with_aux_loss or batch.completion_attention_mask is not None:
+            return None
+        mask = batch.completion_mask.bool()
+        lengths = mask.sum(-1)
+        if not bool((mask.cumprod(-1).sum(-1) == lengths).all()):  # a scored token after an unscored one
+            return None
+        prompts = [row[m].tolist() for row, m in zip(batch.prompt_ids, batch.prompt_mask.bool())]
+        if len(set(map(tuple, prompts))) == len(prompts):  # nothing shared: skip the layout work
+            return None
+        completions = [row[:n].tolist() for row, n in zip(batch.completion_ids, lengths.tolist())]
+        return self.shared_layout(prompts, completions, rows=batch.input_ids.shape[0],
+                                  width=batch.input_ids.shape[1], packed=packs)
+
+    def _cost_model(self) -> dict[str, float]:
+        config = getattr(self.model, "config", None)
+        hidden = getattr(config, "hidden_size", None) or 1024
+        heads = getattr(config, "num_attention_heads", None) or 1
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        return {"hidden_size": hidden, "intermediate_size": getattr(config, "intermediate_size", None) or 4 * hidden,
+                "kv_fraction": kv / heads}
 
     def _packed_logprobs(self, batch: RolloutBatch, temperature: float, chunk_size: int, with_entropy: bool):
         """:meth:`logprobs` over a padding-free packed batch, its sequence split over the `sp` ranks

@@ -47,6 +47,11 @@ class DPOConfig(TrainingArguments, ParallelArguments):
     max_length: int | None = field(default=1024, metadata=_help("Maximum prompt+completion tokens; None: no limit."))
     truncation_mode: str = field(default="keep_start", metadata=_help("keep_start: cut completion ends; keep_end: cut the prompt start."))
     padding_free: bool = field(default=False, metadata=_help("Pack sequences without padding (position ids reset)."))
+    shared_prefix: bool | None = field(default=None, metadata=_help(
+        "Score a pair's chosen and rejected completions with the prompt laid out once (equal to the padded result to "
+        "float rounding; not with padding_free, sequence parallelism or a router aux loss). None: when the layout's "
+        "arithmetic is no more than the padded one's and the model attends with sdpa; True: always where it applies "
+        "(an error when the model cannot); False: never."))
     pad_to_multiple_of: int | str | None = field(default="auto", metadata=_help(
         "Pad each batch's length to a multiple of this ('auto': None off Neuron devices, as in TRL)."))
     pad_token: str | None = field(default=None, metadata=_help(

@@ -107,6 +107,12 @@ def _is_vision_row(row: dict) -> bool:
     return "image" in row or "images" in row
 
 
+def _split_rows(batch: dict) -> tuple[list[list[int]], list[list[int]]]:
+    """A padded pair batch's rows as (prompt tokens, completion tokens) lists."""
+    ids, real, comp = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
+    return [row[r & ~c].tolist() for row, r, c in zip(ids, real, comp)], [row[c].tolist() for row, c in zip(ids, comp)]
+
+
 def _weights_digest(model) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
@@ -349,13 +355,19 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         targets = torch.zeros_like(ids)
         targets[:, :-1] = ids[:, 1:]
         packed = "position_ids" in batch  # padding-free: positions restart per sequence, no attention mask
-        # only completion positions go through the LM head (prompt and padding are never scored)
-        stats = engine.token_logprobs(
-            ids, targets, select, attention_mask=None if packed else batch["attention_mask"],
-            position_ids=batch["position_ids"] if packed else None, temperature=1.0,
-            chunk_size=self.args.logprob_chunk_size, with_mean_logit=True, with_aux_loss=with_aux_loss,
-            with_log_sum_sq=with_wpo)
-        owner = seq_of[select]
+        layout = None if packed else self._pair_layout(engine, batch, with_aux_loss)
+        if layout is not None:  # chosen and rejected share their prompt's forward
+            stats = engine.shared_token_logprobs(layout, temperature=1.0, chunk_size=self.args.logprob_chunk_size,
+                                                 with_mean_logit=True, with_log_sum_sq=with_wpo)
+            owner = layout.row_of
+        else:
+            # only completion positions go through the LM head (prompt and padding are never scored)
+            stats = engine.token_logprobs(
+                ids, targets, select, attention_mask=None if packed else batch["attention_mask"],
+                position_ids=batch["position_ids"] if packed else None, temperature=1.0,
+                chunk_size=self.args.logprob_chunk_size, with_mean_logit=True, with_aux_loss=with_aux_loss,
+                with_log_sum_sq=with_wpo)
+            owner = seq_of[select]
 
         def segsum(x):
             return torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, owner, x)
@@ -373,12 +385,21 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
             out.append(wpo_weights(stats.logp, stats.log_sum_sq, owner, n))
         return tuple(out)
 
+    @staticmethod
+    def _pair_layout(engine: TrainingEngine, batch: dict, with_aux_loss: bool):
+        """The engine's shared-prompt layout of a padded pair batch (`None`: score it padded). A row is scored from
+        its second completion token on in the padded path when its prompt is empty, which the layout does not
+        reproduce: `share_prefixes` declines empty prompts."""
+        if engine.shared_prefix is False or engine.dims.sp > 1 or with_aux_loss:
+            return None
+        prompts, completions = _split_rows(batch)
+        ids = batch["input_ids"]
+        return engine.shared_layout(prompts, completions, rows=ids.shape[0], width=ids.shape[1])
+
     def _sequence_parallel_logps(self, engine: TrainingEngine, batch: dict):
         """:meth:`_sequence_logps` with the sequences split over the sequence-parallel group: each padded row
         becomes (prompt, completion) token lists, packed padding-free by the engine."""
-        ids, real, comp = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
-        prompts = [row[r & ~c].tolist() for row, r, c in zip(ids, real, comp)]
-        completions = [row[c].tolist() for row, c in zip(ids, comp)]
+        prompts, completions = _split_rows(batch)
         logp, mean_logit = engine.rows_logprobs(prompts, completions, chunk_size=self.args.logprob_chunk_size,
                                                 with_mean_logit=True)
         lengths = torch.tensor([len(c) for c in completions], device=logp.device)

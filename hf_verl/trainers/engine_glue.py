@@ -118,7 +118,8 @@ class EngineTrainerMixin:
             bf16=bool(args.bf16), fp16=bool(args.fp16),
             gradient_checkpointing=trainable and bool(args.gradient_checkpointing),
             # rollouts' packing (DPO's `padding_free` is its collator's, a different switch)
-            padding_free=args.padding_free if isinstance(args, RolloutArguments) else None, **kwargs)
+            padding_free=args.padding_free if isinstance(args, RolloutArguments) else None,
+            shared_prefix=getattr(args, "shared_prefix", None), **kwargs)
 
     # ------------------------------------------------------------------ the Trainer's model and optimizer
     def _wrap_model(self, model, training: bool = True, dataloader=None):

@@ -29,6 +29,12 @@ class RolloutArguments:
         "None: pack a batch whose rows carry more padding than a per-row attention call costs (see "
         "docs/benchmarks.md#padding-free-rollouts), when the model attends with sdpa and has no sliding-window "
         "layers; True: always (an error when the model cannot); False: never."))
+    shared_prefix: bool | None = field(default=None, metadata=_help(
+        "Score the completions of one prompt with the prompt laid out once (a row 'prompt, completion_1, ..., "
+        "completion_G' under a mask that lets each completion see the prompt and itself only; equal to the padded "
+        "result to float rounding). None: when the layout's arithmetic is no more than that of the padded or "
+        "packed layout it replaces (see docs/benchmarks.md#shared-prompts), the model attends with sdpa and has no "
+        "sliding-window layers; True: whenever two rows share a prompt (an error when the model cannot); False: never."))
     per_row_sampling_seed: bool = field(default=False, metadata=_help(
         "Sample each completion from its own stream seeded by (seed, its row in the global round): rollouts "
         "do not depend on how rows are split over processes."))
