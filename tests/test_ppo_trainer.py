@@ -82,7 +82,9 @@ def test_value_loss_falls_on_a_fixed_batch(tmp_path):
     args = _args(tmp_path, max_steps=16, num_ppo_epochs=16, num_mini_batches=1, gradient_accumulation_steps=1,
                  per_device_train_batch_size=8, critic_warmup_steps=16, cliprange_value=100.0,
                  lr_scheduler_type="constant")  # the critic follows the run's schedule (a linear decay by default)
-    trainer = PPOTrainer(args=args, processing_class=tok, model=_policy(tok), reward_model=count_a,
+    # a reward with a spread on any sample (count_a is 0 on a batch without an "a": nothing to fit)
+    trainer = PPOTrainer(args=args, processing_class=tok, model=_policy(tok),
+                         reward_model=lambda completions, **kw: [1.0 + len(c) for c in completions],
                          train_dataset=ds, value_model=_critic(tok))
     policy0 = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

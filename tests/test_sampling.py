@@ -16,9 +16,11 @@ from hf_verl.rollout.base import SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.rollout.sampling import (
     apply_repetition_penalty,
+    draw_categorical,
     filter_min_p,
     filter_top_k,
     filter_top_p,
+    invert_cdf,
     sample_next,
 )
 from tests.conftest import build_char_tokenizer
@@ -229,3 +231,25 @@ def test_sample_next_greedy_uses_penalised_argmax_and_unit_temperature():
     with pytest.raises(ValueError, match="prev_ids"):
         sample_next(logits, sp)
     assert math.isfinite(lps.item())
+
+
+def test_draw_categorical_follows_the_distribution_and_never_draws_zero_mass():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0], [5.0, 0.0, 0.0, 0.0, 5.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([draw_categorical(probs, g) for _ in range(20000)])  # (20000, 3)
+    freq = torch.nn.functional.one_hot(draws, 5).float().mean(0)  # (3, 5)
+    expected = probs / probs.sum(-1, keepdim=True)
+    assert torch.allclose(freq, expected, atol=0.015)  # 20000 draws: standard error <= 0.0035
+    assert (freq[expected == 0] == 0).all()
+    # the same seed gives the same draws; one generator per row ignores the rest of the batch
+    a = draw_categorical(probs, [torch.Generator().manual_seed(i) for i in range(3)])
+    b = draw_categorical(probs[1:], [torch.Generator().manual_seed(i) for i in range(1, 3)])
+    assert a[1:].tolist() == b.tolist()
+    assert draw_categorical(probs, torch.Generator().manual_seed(7)).tolist() == \
+        draw_categorical(probs, torch.Generator().manual_seed(7)).tolist()
+
+
+def test_invert_cdf_maps_uniforms_to_intervals_and_clamps_the_top():
+    probs = torch.tensor([[0.5, 0.5, 0.0]] * 4 + [[0.0, 0.25, 0.75]] * 3)
+    u = torch.tensor([0.0, 0.49, 0.5, 1.0, 0.0, 0.2499, 0.25], dtype=torch.float64)
+    assert invert_cdf(probs, u).tolist() == [0, 0, 1, 1, 1, 1, 2]  # never the zero-mass entries 2 (rows 0-3) or 0
