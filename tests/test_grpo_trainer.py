@@ -99,11 +99,14 @@ def test_resume_logs_the_same_losses(tmp_path):
     def losses(trainer):
         return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
 
+    def reward(completions, **kwargs):  # a spread on any sample: a group of equal rewards has a loss of exactly 0
+        return [c.count("a") + 0.1 * len(c) for c in completions]
+
     kw = dict(max_steps=4, save_strategy="steps", save_steps=2, seed=7)
-    full = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path / "a", **kw),
+    full = GRPOTrainer(model=_model(tok), reward_funcs=reward, args=_args(tmp_path / "a", **kw),
                        train_dataset=ds, processing_class=tok)
     full.train()
-    resumed = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path / "a", **kw),
+    resumed = GRPOTrainer(model=_model(tok), reward_funcs=reward, args=_args(tmp_path / "a", **kw),
                           train_dataset=ds, processing_class=tok)
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     want, got = losses(full), losses(resumed)

@@ -39,6 +39,13 @@ from hf_verl.rollout.sampling import sample_next
 logger = logging.getLogger(__name__)
 
 
+def _takes_prepared_mask(model) -> bool:
+    """Whether a decode step may pass `model` a 4-D boolean key mask: sdpa attention, no sliding-window layers."""
+    from hf_verl.parallel.ulysses import packing_unsupported
+
+    return packing_unsupported(model) is None
+
+
 def _own_generate(model) -> bool:
     """Whether `model.generate` is the model's own code rather than transformers' `GenerationMixin.generate`
     (which the lean loop reproduces): one set on the instance, or a class that overrides it. PEFT's
@@ -213,6 +220,9 @@ class TransformersEngine(RolloutEngine):
         step_ids, step_lps = [], []
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, cache = self._prefill(input_ids, mask, position_ids)
+        # one query per step: the mask is the keys' padding mask, handed to sdpa as it is instead of being rebuilt
+        # by transformers every step (a 4-D mask is taken as prepared); other kernels and sliding windows need theirs
+        prepared = _takes_prepared_mask(self.model)
         for t in range(sampling.max_new_tokens):
             next_ids, lps = sample_next(logits, sampling, generator=generator, prev_ids=seq if needs_prev else None,
                                         prev_mask=mask if needs_prev else None)
@@ -228,8 +238,8 @@ class TransformersEngine(RolloutEngine):
             if needs_prev:
                 seq = torch.cat([seq, next_ids[:, None]], dim=-1)
             position_ids = position_ids[:, -1:] + 1
-            out = self.model(input_ids=next_ids[:, None], attention_mask=mask,
-                             position_ids=position_ids, past_key_values=cache,
+            out = self.model(input_ids=next_ids[:, None], attention_mask=mask.bool()[:, None, None, :] if prepared
+                             else mask, position_ids=position_ids, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
             logits, cache = out.logits[:, -1].float(), out.past_key_values
         return torch.stack(step_ids, dim=1), torch.stack(step_lps, dim=1)
