@@ -52,3 +52,21 @@ def current_rss_mib():
 def peak_rss_mib():
     """Peak resident set size of this process so far, in MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def median_logprob_ms(model, engines: dict, batch, rounds: int) -> dict:
+    """Median milliseconds of each engine's log-prob forward (with entropy) and backward over `batch`, the engines
+    interleaved round by round after one warm-up round."""
+    import statistics
+    import time
+
+    times = {mode: [] for mode in engines}
+    for r in range(rounds + 1):
+        for mode, engine in engines.items():
+            t0 = time.perf_counter()
+            logp, _ = engine.logprobs(batch, with_entropy=True)
+            logp.sum().backward()
+            model.zero_grad(set_to_none=True)
+            if r:
+                times[mode].append(time.perf_counter() - t0)
+    return {mode: statistics.median(ts) * 1e3 for mode, ts in times.items()}

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import median_logprob_ms
 
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.accelerate_engine import AccelerateEngine
@@ -61,16 +61,7 @@ def main() -> None:
         batch = _batch(rows, prompt, completion, vocab)
         engines = {mode: AccelerateEngine(model, role="actor", dims=ParallelDims(), backend=BackendSpec(),
                                           padding_free=mode) for mode in (False, True, None)}
-        times = {mode: [] for mode in engines}
-        for r in range(a.rounds + 1):
-            for mode, engine in engines.items():
-                t0 = time.perf_counter()
-                logp, _ = engine.logprobs(batch, with_entropy=True)
-                logp.sum().backward()
-                model.zero_grad(set_to_none=True)
-                if r:  # the first round warms up
-                    times[mode].append(time.perf_counter() - t0)
-        med = {mode: statistics.median(ts) * 1e3 for mode, ts in times.items()}
+        med = median_logprob_ms(model, engines, batch, a.rounds)
         mask = batch.attention_mask
         padding = (mask.numel() - int(mask.sum())) / rows
         print(f"{name:18s} h={hidden:3d} L={layers} rows={rows:2d} padding/row {padding:5.1f}: padded {med[False]:7.1f} ms, "

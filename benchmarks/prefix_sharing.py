@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import median_logprob_ms
 
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.data.prefix_sharing import (
@@ -74,16 +74,7 @@ def main() -> None:
         engines = {mode: AccelerateEngine(model, role="actor", dims=ParallelDims(), backend=BackendSpec(),
                                           shared_prefix=share, padding_free=pack)
                    for mode, (share, pack) in MODES.items()}
-        times = {mode: [] for mode in engines}
-        for r in range(a.rounds + 1):
-            for mode, engine in engines.items():
-                t0 = time.perf_counter()
-                logp, _ = engine.logprobs(batch, with_entropy=True)
-                logp.sum().backward()
-                model.zero_grad(set_to_none=True)
-                if r:  # the first round warms up
-                    times[mode].append(time.perf_counter() - t0)
-        med = {mode: statistics.median(ts) * 1e3 for mode, ts in times.items()}
+        med = median_logprob_ms(model, engines, batch, a.rounds)
         cost = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "kv_fraction": 0.5}
         estimate = sharing_cost(share_prefixes(rows, completions), **cost) / min(
             padded_cost(*batch.input_ids.shape, **cost),

@@ -256,18 +256,23 @@ class TrainingEngine(abc.ABC):
             return True
         if self.padding_free is False or with_aux_loss:
             return False
-        from hf_verl.parallel.ulysses import packing_unsupported
-
-        reason = packing_unsupported(self.model)
-        if reason is not None:
-            if self.padding_free:
-                raise ValueError(f"padding_free=True cannot pack the {self.role}'s rows: {reason}. Set "
-                                 "padding_free=None (pack where possible) or False.")
+        if not self._model_takes_layout(self.padding_free, "padding_free", f"pack the {self.role}'s rows"):
             return False
         if self.padding_free:
             return True
         config = getattr(self.model, "config", None)
         return packing_pays(batch.attention_mask, getattr(config, "hidden_size", None) or 1024)
+
+    def _model_takes_layout(self, switch: bool | None, option: str, action: str) -> bool:
+        """Whether the model can run a padding-free or shared-prompt layout (sdpa attention, no sliding window);
+        when it cannot and `switch` is True (the user asked for the layout), a ValueError naming `option`."""
+        from hf_verl.parallel.ulysses import packing_unsupported
+
+        reason = packing_unsupported(self.model)
+        if reason is not None and switch:
+            raise ValueError(f"{option}=True cannot {action}: {reason}. Set {option}=None "
+                             "(where possible) or False.")
+        return reason is None
 
     # ------------------------------------------------------------------ shared prompts
     def shared_layout(self, prompts: list[list[int]], completions: list[list[int]], *, rows: int, width: int,
@@ -282,13 +287,8 @@ class TrainingEngine(abc.ABC):
         """
         if self.dims.sp > 1 or self.shared_prefix is False or with_aux_loss:
             return None
-        from hf_verl.parallel.ulysses import packing_unsupported
-
-        reason = packing_unsupported(self.model)
-        if reason is not None:
-            if self.shared_prefix:
-                raise ValueError(f"shared_prefix=True cannot lay out the {self.role}'s rows by prompt: {reason}. Set "
-                                 "shared_prefix=None (where possible) or False.")
+        if not self._model_takes_layout(self.shared_prefix, "shared_prefix",
+                                        f"lay out the {self.role}'s rows by prompt"):
             return None
         layout = share_prefixes(prompts, completions, pad_token_id=self._pad_token_id())
         if layout is None:
