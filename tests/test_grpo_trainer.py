@@ -24,6 +24,12 @@ def count_a(completions, **kwargs):
             for c in completions]
 
 
+def text_reward(completions, **kwargs):
+    """A reward that varies with any change of text: count_a is 0 on a whole round now and then (no 'a' drawn),
+    and a round of equal rewards has zero advantages: nothing trains, the loss is exactly 0."""
+    return [float(sum(map(ord, c if isinstance(c, str) else c[-1]["content"])) % 5) for c in completions]
+
+
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
                 per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
@@ -97,22 +103,21 @@ def test_resume_logs_the_same_losses(tmp_path):
     ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab"] * 4})
 
     def losses(trainer):
-        return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        return {h["step"]: (h["loss"], h["entropy"]) for h in trainer.state.log_history if "loss" in h}
 
-    def reward(completions, **kwargs):  # a spread on any sample: a group of equal rewards has a loss of exactly 0
-        return [c.count("a") + 0.1 * len(c) for c in completions]
-
-    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, seed=7)
-    full = GRPOTrainer(model=_model(tok), reward_funcs=reward, args=_args(tmp_path / "a", **kw),
+    # beta > 0: with ratio 1 and equal completion lengths the policy term alone is exactly 0 on every step
+    kw = dict(max_steps=4, save_strategy="steps", save_steps=2, seed=7, beta=0.05)
+    full = GRPOTrainer(model=_model(tok), reward_funcs=text_reward, args=_args(tmp_path / "a", **kw),
                        train_dataset=ds, processing_class=tok)
     full.train()
-    resumed = GRPOTrainer(model=_model(tok), reward_funcs=reward, args=_args(tmp_path / "a", **kw),
+    resumed = GRPOTrainer(model=_model(tok), reward_funcs=text_reward, args=_args(tmp_path / "a", **kw),
                           train_dataset=ds, processing_class=tok)
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
     want, got = losses(full), losses(resumed)
     assert sorted(got) == [1, 2, 3, 4]  # 1-2 restored from the checkpoint, 3-4 recomputed
-    assert [got[s] for s in (3, 4)] == pytest.approx([want[s] for s in (3, 4)], rel=1e-5, abs=1e-7)
-    assert got[3] != got[4]
+    for step in (3, 4):
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7)
+    assert got[3][0] != got[4][0] and got[3][1] != got[4][1]
 
 
 def test_generation_round_is_reused_with_exact_old_logprobs(tmp_path):
@@ -242,9 +247,7 @@ def test_async_rollout_is_one_version_stale_and_trains(tmp_path, steps_per_gener
 
     def counting(prompts, completions, **kwargs):
         seen.append(list(prompts))
-        # varies with any change of text: count_a alone is often 0 for a whole round (then nothing trains), and
-        # the generating thread's draws are not reproducible
-        return [float(sum(map(ord, c)) % 5) for c in completions]
+        return text_reward(completions)  # the generating thread's draws are not reproducible
 
     ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab", "b", "cc", "dd", "e"]})
     args = _args(tmp_path, max_steps=4, use_async_rollout=True, steps_per_generation=steps_per_generation,

@@ -17,7 +17,7 @@ from hf_verl.algorithms.advantages import grpo_advantages
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.grpo_trainer import GRPOTrainer
 from tests.conftest import build_char_tokenizer
-from tests.test_grpo_trainer import _model, count_a
+from tests.test_grpo_trainer import _model, text_reward
 
 
 def main(out_dir: str) -> None:
@@ -30,7 +30,7 @@ def main(out_dir: str) -> None:
                       per_device_train_batch_size=2, num_generations=4, max_completion_length=6,
                       learning_rate=1e-2, gradient_checkpointing=False, save_strategy="no",
                       temperature=1.5, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=count_a, args=args, train_dataset=ds, processing_class=tok)
+    trainer = GRPOTrainer(model=model, reward_funcs=text_reward, args=args, train_dataset=ds, processing_class=tok)
     trainer.train()
     rank, world = dist.get_rank(), dist.get_world_size()
     (mb,) = trainer._buffer
