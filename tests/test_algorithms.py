@@ -107,6 +107,30 @@ def test_chunked_logprobs_match_full_log_softmax(temperature):
     assert torch.allclose(lp2, ref_lp.detach(), atol=1e-5)
 
 
+def test_chunks_are_capped_by_logit_bytes_for_big_vocabularies():
+    from hf_verl.algorithms.logprobs import chunk_positions, logprobs_from_head
+
+    # a 152k vocabulary gets 441 positions a chunk within 256 MiB; up to 64k keeps the full 1024
+    assert chunk_positions(1024, 151_936) == 441
+    assert chunk_positions(1024, 65_536) == 1024 and chunk_positions(1024, None) == 1024
+    assert chunk_positions(8, 10**12) == 1  # never fewer than one position
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        chunk_positions(0, 100)
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(2, 7, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 7))
+    sizes = []
+    head.register_forward_hook(lambda m, args, out: sizes.append(out.shape[0]))
+    # 3 positions x 50 words x 4 bytes = 600 bytes: chunk_size=8 is cut to 3 (vocabulary read from the module)
+    lp, ent, _ = logprobs_from_head(hidden, head, targets, chunk_size=8, with_entropy=True, max_chunk_bytes=600)
+    assert sizes[:5] == [3, 3, 3, 3, 2]
+    full = torch.log_softmax(head(hidden), -1)
+    assert torch.allclose(lp, full.gather(-1, targets.unsqueeze(-1)).squeeze(-1), atol=1e-5)
+    assert torch.allclose(ent, -(full.exp() * full).sum(-1), atol=1e-5)
+
+
 def test_importance_weights_modes():
     import math
 

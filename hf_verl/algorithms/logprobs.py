@@ -5,6 +5,11 @@ vocabulary, 8 x 1024 tokens is 4.9 GB). These functions take the final hidden st
 output projection and walk the flattened positions `chunk_size` at a time: each chunk's logits
 are made, reduced to one log-prob (and entropy) per position, and freed. Under autograd each chunk
 is recomputed in backward (activation checkpointing), so peak memory holds one chunk of logits.
+
+A chunk is `chunk_size` positions, or fewer when the vocabulary is large: one chunk's fp32 logits are
+kept within `MAX_CHUNK_BYTES` (256 MiB; a 152k vocabulary gets 441 positions a chunk, any vocabulary
+up to 64k the full 1024), because a chunk's intermediates (the fp32 copy, the exponentials of the
+log-sum-exp, the logits' gradient in backward) are several times that size at once.
 """
 
 from __future__ import annotations
@@ -14,6 +19,31 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+MAX_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk
+
+
+def chunk_positions(chunk_size: int, vocab_size: int | None, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> int:
+    """Positions per chunk: at most `chunk_size`, and at most as many as keep one chunk's fp32 logits
+    `(positions, vocab_size)` within `max_chunk_bytes` (never fewer than 1). An unknown vocabulary
+    (`None`) leaves `chunk_size`."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    if not vocab_size:
+        return chunk_size
+    return max(1, min(chunk_size, max_chunk_bytes // (4 * vocab_size)))
+
+
+def _vocab_of(head: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
+    """The output width of an LM-head module (`out_features`, or its 2-D weight's rows); `None` for a
+    plain callable."""
+    out = getattr(head, "out_features", None)
+    if isinstance(out, int):
+        return out
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    return None
 
 
 def _chunk_stats(
@@ -53,6 +83,8 @@ def logprobs_from_head(
     with_mean_logit: bool = False,
     head_requires_grad: bool | None = None,
     with_log_sum_sq: bool = False,
+    vocab_size: int | None = None,
+    max_chunk_bytes: int = MAX_CHUNK_BYTES,
 ):
     """Log-probs of `targets` under ``softmax(head(hidden) / T)``, computed `chunk_size` positions at a time.
 
@@ -65,20 +97,23 @@ def logprobs_from_head(
         head (`Callable`): maps `(n, H)` hidden states to `(n, V)` logits (the LM head).
         targets (`torch.Tensor` `(...)`): token ids whose log-prob is wanted.
         temperature (`float`): logits are divided by it (as during sampling).
-        chunk_size (`int`): positions per chunk.
+        chunk_size (`int`): positions per chunk, at most (see `max_chunk_bytes`).
         with_entropy (`bool`): also return the entropy of each position's distribution.
         with_mean_logit (`bool`): also return each position's mean logit over the vocabulary
             (before the temperature; a DPO metric), without gradient.
         head_requires_grad (`bool`, *optional*): whether the head has trainable weights (chunks are
             then recomputed in backward); default: read from `head` when it is an `nn.Module`.
         with_log_sum_sq (`bool`): also return `log sum_v p_v^2` per position, without gradient (WPO).
+        vocab_size (`int`, *optional*): the head's output width; default: read from `head`'s
+            `out_features` or weight when it is a module.
+        max_chunk_bytes (`int`): a chunk holds at most as many positions as keep its fp32 logits
+            within this many bytes (see :func:`chunk_positions`).
 
     Returns:
         `(logp, entropy, mean_logit)` shaped like `targets`, fp32; the last two are `None` unless
         requested. With `with_log_sum_sq`, a fourth tensor `log_sum_sq`.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    chunk_size = chunk_positions(chunk_size, vocab_size or _vocab_of(head), max_chunk_bytes)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score log-probs, got {temperature}.")
     shape = targets.shape
@@ -130,7 +165,8 @@ def logprobs_from_hidden(
 
     trainable = weight.requires_grad or (bias is not None and bias.requires_grad)
     logp, entropy, _ = logprobs_from_head(hidden, head, targets, temperature=temperature, chunk_size=chunk_size,
-                                          with_entropy=with_entropy, head_requires_grad=trainable)
+                                          with_entropy=with_entropy, head_requires_grad=trainable,
+                                          vocab_size=weight.shape[0])
     return logp, entropy
 
 

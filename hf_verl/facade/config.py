@@ -134,7 +134,9 @@ FIELDS: dict[str, Field] = {
     "weight_decay": Field(0.0, (float,), _nonneg, "a finite float >= 0", "AdamW weight decay (both roles)."),
     "max_grad_norm": Field(1.0, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
                            "Gradient-norm clip per role; None disables clipping."),
-    "logprob_chunk_size": Field(1024, (int,), _pos_int, "an int >= 1", "Positions per log-prob chunk."),
+    "logprob_chunk_size": Field(1024, (int,), _pos_int, "an int >= 1",
+                                "Positions per log-prob chunk, at most: fewer above a 64k vocabulary, where a "
+                                "chunk's fp32 logits stay within 256 MiB."),
     "device": Field(None, (str, _NONE), lambda v: True, "None or a device string such as 'cpu' or 'cuda:0'",
                     "Where roles loaded from a Hub id / path go; None: this rank's CUDA device if any, else CPU."),
     "dtype": Field("auto", (str,), lambda v: v in ("auto", "float32", "bfloat16", "float16"),

@@ -79,7 +79,9 @@ class DPOConfig(TrainingArguments, ParallelArguments):
     sync_ref_model: bool = field(default=False, metadata=_help("Mix the policy into the reference every ref_model_sync_steps (TR-DPO)."))
     ref_model_mixup_alpha: float = field(default=0.6, metadata=_help("ref <- alpha * policy + (1 - alpha) * ref."))
     ref_model_sync_steps: int = field(default=512, metadata=_help("Steps between reference syncs."))
-    logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
+    logprob_chunk_size: int = field(default=1024, metadata=_help(
+        "Positions per chunk when scoring log-probs, at most: fewer above a 64k vocabulary, where a chunk's "
+        "fp32 logits stay within 256 MiB."))
 
     def __post_init__(self) -> None:
         if self.bf16 is None:

@@ -23,7 +23,9 @@ class RolloutArguments:
     use_async_rollout: bool = field(default=False, metadata=_help(
         "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
     max_staleness: int = field(default=1, metadata=_help("Most weight versions a rollout may lag behind (>= 1)."))
-    logprob_chunk_size: int = field(default=1024, metadata=_help("Positions per chunk when scoring log-probs."))
+    logprob_chunk_size: int = field(default=1024, metadata=_help(
+        "Positions per chunk when scoring log-probs, at most: fewer above a 64k vocabulary, where a chunk's "
+        "fp32 logits stay within 256 MiB."))
     padding_free: bool | None = field(default=None, metadata=_help(
         "Score rollouts packed padding-free (per-row causal attention; equal to the padded result to float rounding). "
         "None: pack a batch whose rows carry more padding than a per-row attention call costs (see "
