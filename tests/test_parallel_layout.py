@@ -92,6 +92,33 @@ def test_what_the_machine_cannot_give_fails_at_once(launch_env):
 
 
 @pytest.mark.slow  # a fresh interpreter
+def test_accelerate_parallelism_config_that_splits_sequences_or_tensors_is_refused(monkeypatch):
+    from hf_verl import GRPOConfig, Trainer
+    from hf_verl.parallel.backend import check_accelerate_parallelism
+
+    on = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
+    check_accelerate_parallelism({})  # no parallelism_config: nothing to say
+    check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_SP_SIZE": "1"})
+    with pytest.raises(ValueError, match=r"sp_size=2.*sequence_parallel_size=2 in the trainer config"):
+        check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_SP_SIZE": "2"})
+    with pytest.raises(ValueError, match=r"cp_size=4.*sequence_parallel_size=4"):
+        check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_CP_SIZE": "4"})
+    with pytest.raises(ValueError, match=r"tp_size=2.*fsdp2.yaml or zero3.yaml"):
+        check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_TP_SIZE": "2"})
+    # the trainer configs and the facade say it before accelerate builds groups of its own
+    for key, value in {**on, "PARALLELISM_CONFIG_SP_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match="parallelism_config sp_size=2"):
+        GRPOConfig(output_dir="unused", use_cpu=True, report_to=[])
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="parallelism_config sp_size=2"):
+        _ = Trainer(actor_model=tiny, reward_model=lambda completions, **kw: [0.0] * len(completions),
+                    tokenizer=build_char_tokenizer()).dims
+
+
 def test_a_deepspeed_launch_with_a_broken_deepspeed_names_the_import_error(tmp_path):
     (tmp_path / "deepspeed").mkdir()
     (tmp_path / "deepspeed" / "__init__.py").write_text("raise ImportError('no CUDA toolkit')\n")

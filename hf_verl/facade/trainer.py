@@ -194,8 +194,10 @@ class Trainer:
         if self._layout is None:
             from accelerate import Accelerator
 
+            from hf_verl.parallel.backend import check_accelerate_parallelism
             from hf_verl.trainers.engine_glue import launch_layout
 
+            check_accelerate_parallelism()  # before accelerate builds groups of its own
             accelerator = Accelerator(cpu=not torch.cuda.is_available())
             backend, dims = launch_layout(accelerator.num_processes, self.config.sequence_parallel_size)
             self._layout = (backend, dims, accelerator)

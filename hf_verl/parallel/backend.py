@@ -107,6 +107,44 @@ def requested_backend(world_size: int) -> BackendSpec:
     return BackendSpec()
 
 
+# accelerate's `parallelism_config` axes that hf_verl lays out itself, and the hf_verl setting to use instead
+_ACCELERATE_AXES = {
+    "SP_SIZE": ("sp_size", "DeepSpeed's own Ulysses (ALST)", "sequence_parallel_size={n} in the trainer config"),
+    "CP_SIZE": ("cp_size", "torch's ring-attention context parallelism",
+                "sequence_parallel_size={n} in the trainer config (Ulysses over the same processes)"),
+    "TP_SIZE": ("tp_size", "transformers' tensor-parallel plan",
+                ("nothing in its place: hf_verl's training engines do not split tensors; to fit a model that one "
+                 "device cannot hold, shard it with configs/accelerate/fsdp2.yaml or zero3.yaml")),
+}
+
+
+def check_accelerate_parallelism(environ: dict | None = None) -> None:
+    """Refuse an `accelerate launch` whose `parallelism_config` splits sequences or tensors itself.
+
+    accelerate exports a config's `parallelism_config` section (or `--use_parallelism_config`) as
+    `PARALLELISM_CONFIG_*` variables, and its Accelerator then builds sequence / context / tensor
+    parallel groups of its own beside the ones hf_verl's :class:`~hf_verl.parallel.dims.ParallelDims`
+    lays out. hf_verl takes these degrees from its own settings, so a launch that asks accelerate for
+    them fails here, before any model is touched, naming the setting to use. Data-parallel sizes
+    (`dp_replicate_size`, `dp_shard_size`) are left alone: they agree with what the engine does.
+
+    Raises:
+        `ValueError`: naming the accelerate field and the hf_verl setting to use instead.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").strip().lower() not in ("1", "true", "yes", "on"):
+        return
+    for suffix, (field, meaning, instead) in _ACCELERATE_AXES.items():
+        raw = env.get(f"PARALLELISM_CONFIG_{suffix}", "1")
+        n = int(raw) if raw.strip().isdigit() else raw
+        if n != 1:
+            raise ValueError(
+                f"the accelerate launch sets parallelism_config {field}={n}, which asks accelerate for {meaning}; "
+                f"hf_verl lays out its own groups and does not run that. Remove parallelism_config_{field} from the "
+                f"accelerate config (or --parallelism_config_{field} from the command) and set "
+                f"{instead.format(n=n)}. See docs/parallel.md.")
+
+
 def resolve_backend(world_size: int, process_group_ready: bool) -> BackendSpec:
     """:func:`requested_backend`, checked against what this machine and launch can give.
 

@@ -31,7 +31,11 @@ class ParallelArguments:
         return ParallelDims.data_parallel(self.world_size, self.process_index, shard=False, sp=sp).dp_size
 
     def _check_sequence_parallel(self) -> None:
-        """`sequence_parallel_size`: an int >= 1 that divides the launch's processes (checked up front)."""
+        """`sequence_parallel_size`: an int >= 1 that divides the launch's processes (checked up front), and
+        no accelerate `parallelism_config` that splits sequences or tensors itself."""
+        from hf_verl.parallel.backend import check_accelerate_parallelism
+
+        check_accelerate_parallelism()
         sp = self.sequence_parallel_size
         if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
             raise ValueError(f"sequence_parallel_size must be an int >= 1, got {sp!r}.")
