@@ -69,6 +69,7 @@ CELLS = [
     Cell("g6", "grpo", 100, 128, 2, (50, 250), (0, 32), 8, 16, 10),  # long prompts with a wide spread
     Cell("g7", "grpo", 32000, 384, 2, (20, 80), (0, 32), 2, 8, 8),  # small groups, wide model
     Cell("g8", "grpo", 8000, 128, 6, (10, 40), (0, 48), 8, 8, 8),  # deep, narrow
+    Cell("g9", "grpo", 151_934, 128, 2, (10, 40), (0, 32), 8, 8, 5),  # Qwen2.5's vocabulary
     # DPO
     Cell("d1", "dpo", 8192, 128, 2, (10, 60), (10, 60), 0, 8, 20),  # the shape the code was tuned on
     Cell("d2", "dpo", 100, 128, 2, (10, 60), (10, 60), 0, 8, 20),  # tiny vocabulary
@@ -78,6 +79,7 @@ CELLS = [
     Cell("d6", "dpo", 100, 64, 6, (20, 100), (20, 100), 0, 8, 12),  # deep, narrow, small vocabulary
     Cell("d7", "dpo", 32000, 128, 2, (5, 200), (5, 200), 0, 8, 8),  # extreme spread
     Cell("d8", "dpo", 8192, 256, 2, (10, 60), (10, 60), 0, 32, 5),  # big batch
+    Cell("d9", "dpo", 151_934, 128, 2, (10, 60), (10, 60), 0, 8, 6),  # Qwen2.5's vocabulary: the head's chunk cap
     # PPO (against --baseline): answer range's upper bound is response_length
     Cell("p1", "ppo", 100, 128, 2, (10, 60), (0, 32), 2, 8, 8),
     Cell("p2", "ppo", 8000, 256, 4, (50, 250), (0, 48), 2, 8, 5),  # long prompts with a wide spread
