@@ -91,7 +91,6 @@ def test_what_the_machine_cannot_give_fails_at_once(launch_env):
     assert resolve_backend(2, process_group_ready=True).kind == "fsdp2"
 
 
-@pytest.mark.slow  # a fresh interpreter
 def test_accelerate_parallelism_config_that_splits_sequences_or_tensors_is_refused(monkeypatch):
     from hf_verl import GRPOConfig, Trainer
     from hf_verl.parallel.backend import check_accelerate_parallelism
@@ -119,6 +118,7 @@ def test_accelerate_parallelism_config_that_splits_sequences_or_tensors_is_refus
                     tokenizer=build_char_tokenizer()).dims
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_a_deepspeed_launch_with_a_broken_deepspeed_names_the_import_error(tmp_path):
     (tmp_path / "deepspeed").mkdir()
     (tmp_path / "deepspeed" / "__init__.py").write_text("raise ImportError('no CUDA toolkit')\n")
