@@ -110,7 +110,7 @@ def test_a_micro_batch_of_empty_completions_beside_a_full_one(tmp_path, beta):
 @pytest.mark.parametrize("critic", [False, True])
 def test_facade_step_on_a_mini_batch_without_completion_tokens(critic):
     """The facade's loop on a mini-batch whose completion tokens are all masked out (all truncated and masked,
-    or all empty): compute_loss gives 0 with a graph, step() runs and changes nothing."""
+    or all empty): compute_loss gives 0 (the engines ran its backward), step() runs and changes nothing."""
     from tests.test_facade import PROMPTS, make_trainer, snapshot
 
     trainer = make_trainer(critic=critic)
@@ -118,7 +118,7 @@ def test_facade_step_on_a_mini_batch_without_completion_tokens(critic):
     rollout.completion_mask = torch.zeros_like(rollout.completion_mask)
     before = snapshot(trainer.model)
     loss = trainer.compute_loss(rollout)
-    assert loss.item() == 0.0 and loss.requires_grad
+    assert loss.item() == 0.0 and not loss.requires_grad
     metrics = trainer.step(loss)
     assert metrics["grad_norm/actor"] == 0.0
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)

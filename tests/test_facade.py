@@ -132,9 +132,9 @@ def test_config_changes_take_effect_at_next_step_and_rollout():
     generate = trainer.engine.generate
     trainer.engine.generate = lambda ids, sampling, **kw: seen.append(sampling) or generate(ids, sampling, **kw)
     trainer.step(trainer.compute_loss(trainer.rollout(PROMPTS)))
-    opt = trainer._actor_opt
+    groups = trainer.actor_engine.param_groups
     trainer.config.actor_lr = 3e-3
-    assert trainer._actor_opt is opt and all(g["lr"] == 3e-3 for g in opt.param_groups)
+    assert trainer.actor_engine.param_groups is groups and all(g["lr"] == 3e-3 for g in groups)
     trainer.config.temperature = 0.5
     trainer.config.group_size = 2
     rollout = trainer.rollout(PROMPTS)
@@ -235,7 +235,7 @@ def test_three_call_loop_trains_actor_and_critic_with_gae_and_minibatches():
     for mb in rollout.split(6):  # one PPO epoch over two mini-batches
         metrics = trainer.step(trainer.compute_loss(mb))
         assert torch.isfinite(torch.tensor(metrics["loss/total"])) and "loss/value" in metrics
-    assert trainer._critic_opt.param_groups[0]["lr"] == 1e-2 and metrics["lr/critic"] == 1e-2
+    assert trainer._role_engine("critic").param_groups[0]["lr"] == 1e-2 and metrics["lr/critic"] == 1e-2
     assert changed(actor_before, trainer.model)
     # the classification-only pooling path is unused for per-token values; every trained tensor moved
     moved = changed(critic_before, trainer.critic.get())

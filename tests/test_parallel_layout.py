@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from hf_verl.data.batch import RolloutBatch
+from hf_verl.engine.step import LogProbs
 from hf_verl.parallel.backend import BackendSpec, requested_backend, resolve_backend
 from hf_verl.parallel.dims import ParallelDims
 from tests.conftest import build_char_tokenizer
@@ -150,6 +152,10 @@ def test_deepspeed_config_fills_auto_values_and_refuses_its_own_optimizer(tmp_pa
 
 
 # ---------------------------------------------------------------------- the engine's forward primitives
+def rollout_batch() -> RolloutBatch:
+    return RolloutBatch.from_lists([[1, 2, 3], [4, 5]], [[6, 7], [8]], pad_token_id=0)
+
+
 def _engine(model, **kw):
     from hf_verl.engine.accelerate_engine import AccelerateEngine
 
@@ -202,12 +208,12 @@ def test_engine_export_save_and_frozen_roles():
     assert exported.keys() == model.state_dict().keys()
     assert all(torch.equal(t, model.state_dict()[n]) for n, t in exported.items())
     assert engine.full_state_dict().keys() == model.state_dict().keys()
-    with pytest.raises(RuntimeError, match="no optimizer: call attach_optimizer"):
-        engine.step()
+    with pytest.raises(RuntimeError, match="no optimizer: call configure_optimizer"):
+        engine.optimizer_step()
     with pytest.raises(ValueError, match="no PEFT adapters to disable"):
         with engine.adapters_disabled():
             pass
     frozen = _engine(Qwen2ForCausalLM(model.config), role="reference", trainable=False)
     assert not any(p.requires_grad for p in frozen.model.parameters()) and not frozen.module.training
     with pytest.raises(ValueError, match="the reference engine is frozen"):
-        frozen.backward(torch.zeros((), requires_grad=True))
+        frozen.forward_backward([rollout_batch()], lambda out, mb: (out.logp.sum(), {}), forward=LogProbs())

@@ -31,9 +31,29 @@ _TENSOR_SPEC: dict[str, tuple[str, str]] = {
     "returns": ("BC", "float"),
     "rewards": ("B", "float"),
     "advantages": ("B|BC", "float"),
+    "is_weights": ("BC|B1", "float"),
     "weight_version": ("B", "long"),
     "is_truncated": ("B", "mask"),
 }
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """The values a micro-batch's loss needs that span ranks or the whole step, computed before the engine's
+    step (a loss function runs no collective) and carried on the micro-batch.
+
+    Attributes:
+        loss_normalizer (`float`, *optional*): the token count a token-mean loss divides by (the global
+            count of the step's tokens over the data-parallel size); `None`: the micro-batch's own.
+        token_normalizer (`float`, *optional*): the token count of the entropy bonus's mean; `None`: the
+            micro-batch's own.
+        entropy_threshold (`float`, *optional*): train only tokens whose entropy is at least this value (TRL's
+            `top_entropy_quantile`, taken over every rank's tokens of this micro-batch); `None`: every token.
+    """
+
+    loss_normalizer: float | None = None
+    token_normalizer: float | None = None
+    entropy_threshold: float | None = None
 
 
 @dataclass
@@ -43,7 +63,9 @@ class RolloutBatch:
     Required: `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask`. Everything else is
     filled in by later phases (`None` until then). `completion_mask` selects the tokens that are
     trained on and scored; `completion_attention_mask`, when set, is the completion's attention mask
-    (1 on every real token, tool observations included; multi-turn rollouts). `meta` holds the
+    (1 on every real token, tool observations included; multi-turn rollouts). `is_weights` are the
+    importance weights that correct an off-policy rollout's loss (`(B, C)`, or `(B, 1)` per sequence), and
+    `loss_inputs` the loss's step-wide values ([`LossInputs`]). `meta` holds the
     non-tensor side (prompt and completion texts, extra dataset columns, a trace id), each list
     aligned with the batch.
     """
@@ -63,6 +85,8 @@ class RolloutBatch:
     weight_version: torch.Tensor | None = None
     is_truncated: torch.Tensor | None = None
     completion_attention_mask: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    loss_inputs: LossInputs = field(default_factory=LossInputs)
     meta: dict[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ construction helpers
@@ -130,7 +154,7 @@ class RolloutBatch:
         B, P = _shape2(self.prompt_ids, "prompt_ids")
         _, C = _shape2(self.completion_ids, "completion_ids")
         device = self.prompt_ids.device
-        dims = {"B": (B,), "BP": (B, P), "BC": (B, C)}
+        dims = {"B": (B,), "BP": (B, P), "BC": (B, C), "B1": (B, 1)}
         for name, tensor in self.tensor_fields().items():
             rank, kind = _TENSOR_SPEC[name]
             allowed = [dims[r] for r in rank.split("|")]
@@ -192,8 +216,8 @@ class RolloutBatch:
             return self
         changes: dict[str, Any] = {}
         for name, tensor in self.tensor_fields().items():
-            if tensor.dim() != 2:
-                continue
+            if tensor.dim() != 2 or (name == "is_weights" and tensor.shape[1] == 1 and C != 1):
+                continue  # per-sequence importance weights have no token axis
             value = pad_token_id if name.endswith("_ids") else 0
             if _TENSOR_SPEC[name][0] == "BP":
                 changes[name] = torch.nn.functional.pad(tensor, (extra_p, 0), value=value)

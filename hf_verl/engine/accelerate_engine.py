@@ -33,6 +33,7 @@ import torch
 from hf_verl.algorithms.logprobs import logprobs_from_head
 from hf_verl.engine.base import TokenStats, TrainingEngine, select_positions
 from hf_verl.engine.precision import amp_dtype, autocast
+from hf_verl.engine.step import OptimizerSpec, SchedulerSpec
 from hf_verl.parallel import deepspeed as ds
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
@@ -85,8 +86,9 @@ class AccelerateEngine(TrainingEngine):
         self.padding_free, self.shared_prefix = padding_free, shared_prefix
         self._model = model
         self._module: torch.nn.Module = model
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler = None
+        self._spec: OptimizerSpec | None = None
         self.last_grad_norm: float | None = None
         self._ds_config = None
         config = getattr(model, "config", None)
@@ -201,28 +203,46 @@ class AccelerateEngine(TrainingEngine):
             release_root(self._model)
         return out
 
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ the step
+    @property
+    def training(self) -> bool:
+        return self._model.training
+
     def train(self, mode: bool = True) -> None:
         self.module.train(mode and self.trainable)
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> torch.optim.Optimizer:
+    def configure_optimizer(self, spec: OptimizerSpec) -> None:
         if not self.trainable:
             raise ValueError(f"the {self.role} engine is frozen; it takes no optimizer.")
-        self.optimizer, self.scheduler = optimizer, scheduler
-        if self.backend.kind != "deepspeed":
-            return optimizer
+        if self._optimizer is not None:
+            raise RuntimeError(f"the {self.role} engine already has an optimizer.")
+        self._spec = spec
+        self._optimizer = spec.build(list(self._model.named_parameters()))
+        if self.backend.kind == "deepspeed":
+            self._module = ds.initialize(self._model, self._ds_config, self._optimizer)
+        self.configure_scheduler(spec.scheduler, spec.lr_scheduler)
+
+    def configure_scheduler(self, spec: SchedulerSpec | None = None, scheduler: Any = None) -> None:
+        if self._optimizer is None:
+            raise RuntimeError(f"the {self.role} engine has no optimizer: call configure_optimizer() first.")
+        if scheduler is None and spec is not None:
+            scheduler = spec.build(self._schedulable_optimizer())
+        self._scheduler = scheduler
+
+    def _schedulable_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer an LR schedule is built over: DeepSpeed steps its own (wrapped) optimizer, whose param
+        groups are the ones to schedule; accelerate's wrapper presents it as a `torch.optim.Optimizer`."""
         if self._is_deepspeed:
-            raise RuntimeError(f"the {self.role} engine already has a DeepSpeed optimizer.")
-        self._module = ds.initialize(self._model, self._ds_config, optimizer)
-        from accelerate.utils import DeepSpeedOptimizerWrapper
+            from accelerate.utils import DeepSpeedOptimizerWrapper
 
-        # DeepSpeed steps inside `backward` (at the accumulation boundary); the optimizer a Trainer
-        # steps is therefore a no-op wrapper whose param groups are the real ones (for the LR schedule)
-        return DeepSpeedOptimizerWrapper(self._module.optimizer)
+            return DeepSpeedOptimizerWrapper(self._module.optimizer)
+        return self._optimizer
 
-    def backward(self, loss: torch.Tensor) -> None:
-        if not self.trainable:
-            raise ValueError(f"the {self.role} engine is frozen; it runs no backward.")
+    @property
+    def has_optimizer(self) -> bool:
+        return self._optimizer is not None
+
+    def _backward(self, loss: torch.Tensor) -> None:
         if self.dims.sp > 1:
             # each rank of a sequence-parallel group backpropagates only its own shard's tokens, so the full
             # gradient is the sum over the group; DDP / DeepSpeed (over the world) and FSDP2 (over dp x sp)
@@ -232,14 +252,15 @@ class AccelerateEngine(TrainingEngine):
             self._module.backward(loss, scale_wrt_gas=False)
             self._module.step()  # a no-op before the accumulation boundary
         elif self.backend.kind == "deepspeed":
-            raise RuntimeError(f"the {self.role} DeepSpeed engine has no optimizer yet: call attach_optimizer().")
+            raise RuntimeError(f"the {self.role} DeepSpeed engine has no optimizer yet: call configure_optimizer().")
         else:
             loss.backward()
 
     def _trained_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad and p.grad is not None]
 
-    def clip_grad_norm(self, max_norm: float | None) -> float:
+    def _clip_grad_norm(self, max_norm: float | None) -> float:
+        """Global gradient norm over all ranks (FSDP2 shards reduced) before clipping to `max_norm`."""
         if self._is_deepspeed:  # DeepSpeed clips inside its step (gradient_clipping) and keeps the norm
             norm = self._module.get_global_grad_norm()
             return float("nan") if norm is None else float(norm)
@@ -252,21 +273,45 @@ class AccelerateEngine(TrainingEngine):
 
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
-    def step(self, max_norm: float | None = None) -> float | None:
-        if self.optimizer is None:
-            raise RuntimeError(f"the {self.role} engine has no optimizer: call attach_optimizer() first.")
-        norm = self.clip_grad_norm(max_norm)
-        if not self._is_deepspeed:
-            self.optimizer.step()
+    def optimizer_step(self) -> float | None:
+        if self._optimizer is None:
+            raise RuntimeError(f"the {self.role} engine has no optimizer: call configure_optimizer() first.")
+        norm = self._clip_grad_norm(self._spec.max_grad_norm)
+        if not self._is_deepspeed:  # DeepSpeed stepped at its accumulation boundary, inside the last backward
+            self._optimizer.step()
             self.zero_grad()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if self._scheduler is not None:
+            self._scheduler.step()
         self.last_grad_norm = norm
         return norm
 
     def zero_grad(self) -> None:
-        if not self._is_deepspeed and self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+        if not self._is_deepspeed and self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        if self._optimizer is None:
+            return []
+        return self._schedulable_optimizer().param_groups if self._is_deepspeed else self._optimizer.param_groups
+
+    def optimizer_state_dict(self) -> dict:
+        return self._optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        self._optimizer.load_state_dict(state)
+
+    def scheduler_state_dict(self) -> dict | None:
+        return None if self._scheduler is None else self._scheduler.state_dict()
+
+    def load_scheduler_state_dict(self, state: dict) -> None:
+        if self._scheduler is not None:
+            self._scheduler.load_state_dict(state)
+
+    def last_lr(self) -> list[float]:
+        if self._scheduler is not None:
+            return list(self._scheduler.get_last_lr())
+        return [group["lr"] for group in self.param_groups]
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         if self.backend.kind == "ddp" and hasattr(self._module, "no_sync"):
@@ -294,44 +339,49 @@ class AccelerateEngine(TrainingEngine):
         if self.dims.is_main:
             self._model.save_pretrained(output_dir, state_dict=state, safe_serialization=True, **kwargs)
 
-    def save_state(self, output_dir: str) -> None:
+    def save_checkpoint(self, output_dir: str) -> None:
+        """Optimizer and schedule state for resuming: DeepSpeed's own checkpoint, FSDP2's optimizer shards through
+        `torch.distributed.checkpoint` (one per rank), else one file on the main rank; a collective."""
+        if self._optimizer is None:
+            return
+        os.makedirs(output_dir, exist_ok=True)
         if self._is_deepspeed:
             self._module.save_checkpoint(os.path.join(output_dir, OPTIMIZER_DIR), tag=self.role)
-            return
-        if self.optimizer is None:
-            return
-        if self.backend.kind == "fsdp2":
+        elif self.backend.kind == "fsdp2":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            state = {"optimizer": get_optimizer_state_dict(self._model, self.optimizer)}
+            state = {"optimizer": get_optimizer_state_dict(self._model, self._optimizer)}
             dcp.save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR, self.role))
-            return
-        if self.dims.is_main:
-            os.makedirs(output_dir, exist_ok=True)
-            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, f"{self.role}_optimizer.pt"))
+        elif self.dims.is_main:
+            torch.save(self._optimizer.state_dict(), os.path.join(output_dir, f"{self.role}_optimizer.pt"))
+        if self.dims.is_main and self._scheduler is not None:
+            torch.save(self._scheduler.state_dict(), os.path.join(output_dir, f"{self.role}_scheduler.pt"))
 
-    def load_state(self, input_dir: str) -> None:
+    def load_checkpoint(self, input_dir: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (the schedule when it was saved)."""
+        if self._optimizer is None:
+            return
         if self._is_deepspeed:
             self._module.load_checkpoint(os.path.join(input_dir, OPTIMIZER_DIR), tag=self.role)
-            return
-        if self.optimizer is None:
-            return
-        if self.backend.kind == "fsdp2":
+        elif self.backend.kind == "fsdp2":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import (
                 get_optimizer_state_dict,
                 set_optimizer_state_dict,
             )
 
-            state = {"optimizer": get_optimizer_state_dict(self._model, self.optimizer)}
+            state = {"optimizer": get_optimizer_state_dict(self._model, self._optimizer)}
             dcp.load(state, checkpoint_id=os.path.join(input_dir, OPTIMIZER_DIR, self.role))
-            set_optimizer_state_dict(self._model, self.optimizer, state["optimizer"])
-            return
-        path = os.path.join(input_dir, f"{self.role}_optimizer.pt")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no {self.role} optimizer state in {input_dir}.")
-        self.optimizer.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+            set_optimizer_state_dict(self._model, self._optimizer, state["optimizer"])
+        else:
+            path = os.path.join(input_dir, f"{self.role}_optimizer.pt")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"no {self.role} optimizer state in {input_dir}.")
+            self._optimizer.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+        schedule = os.path.join(input_dir, f"{self.role}_scheduler.pt")
+        if self._scheduler is not None and os.path.exists(schedule):
+            self._scheduler.load_state_dict(torch.load(schedule, weights_only=True))
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load whole, HF-named weights into the (possibly sharded) model; a collective when sharded."""

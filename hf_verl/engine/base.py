@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import Any
 
 import torch
 
@@ -43,6 +44,14 @@ from hf_verl.data.prefix_sharing import (
     padded_cost,
     share_prefixes,
     sharing_cost,
+)
+from hf_verl.engine.step import (
+    ForwardRequest,
+    LossFn,
+    OptimizerSpec,
+    PolicyOutput,
+    SchedulerSpec,
+    StepResult,
 )
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
@@ -154,6 +163,13 @@ class TrainingEngine(abc.ABC):
         for p in self.model.parameters():
             return p.device
         return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the model's (first) parameters."""
+        for p in self.model.parameters():
+            return p.dtype
+        return torch.float32
 
     @property
     def holds_full_weights(self) -> bool:
@@ -378,7 +394,68 @@ class TrainingEngine(abc.ABC):
         with disable():
             yield self
 
-    # ------------------------------------------------------------------ training
+    # ------------------------------------------------------------------ the step
+    def forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn, *, forward: ForwardRequest,
+                         forward_only: bool = False, loss_scale: float = 1.0,
+                         keep_outputs: bool = False) -> StepResult:
+        """Run the forward (and, unless `forward_only`, the backward) of every micro-batch of one optimizer step.
+
+        Gradients accumulate over the micro-batches and are reduced across data-parallel ranks once, with the last
+        micro-batch's backward (DDP's `no_sync`, FSDP2's deferred reduce-scatter, ZeRO's accumulation boundary);
+        the caller then calls :meth:`optimizer_step`. The engine keeps its train / eval mode as it is.
+
+        Args:
+            micro_batches (`Sequence`): the step's micro-batches (a [`RolloutBatch`] or whatever `forward` takes).
+            loss_fn (`Callable`): `loss_fn(forward_output, micro_batch) -> (loss, metrics)`; runs no collective.
+            forward ([`ForwardRequest`]): what each micro-batch's forward computes ([`LogProbs`], [`Values`], ...).
+            forward_only (`bool`): no graph and no backward (evaluation, thresholds computed before a step).
+            loss_scale (`float`): each loss is multiplied by it before its backward (e.g. 1 / accumulation steps);
+                the returned losses are unscaled.
+            keep_outputs (`bool`): also return each micro-batch's forward output, detached.
+
+        Returns:
+            [`StepResult`]: per micro-batch, the loss (detached) and the metrics.
+        """
+        if not forward_only and not self.trainable:
+            raise ValueError(f"the {self.role} engine is frozen; it runs no backward.")
+        result = StepResult()
+        last = len(micro_batches) - 1
+        for i, micro_batch in enumerate(micro_batches):
+            sync = contextlib.nullcontext() if forward_only or i == last else self.no_sync()
+            grad = torch.no_grad() if forward_only else contextlib.nullcontext()
+            with sync, grad:
+                output = forward.run(self, micro_batch)
+                loss, metrics = loss_fn(output, micro_batch)
+                if not forward_only:
+                    self._backward(loss * loss_scale)
+            result.losses.append(loss.detach())
+            result.metrics.append({k: float(v) for k, v in metrics.items()})
+            if keep_outputs:
+                result.outputs.append(_detached(output))
+        return result
+
+    @torch.no_grad()
+    def infer(self, batch: Any, forward: ForwardRequest, *, micro_batch: int | None = None) -> Any:
+        """`forward` over `batch` without gradients, in eval mode, `micro_batch` rows at a time (the reference's
+        and the old policy's log-probs, a critic's values); tensor outputs are concatenated over the rows and a
+        :class:`PolicyOutput` field by field. The engine's train / eval mode is restored afterwards."""
+        was_training = self.training
+        self.train(False)
+        try:
+            if micro_batch is None:  # one forward over the whole batch (any type the request takes)
+                parts = [forward.run(self, batch)]
+            else:
+                size = max(1, micro_batch)
+                parts = [forward.run(self, batch.select(slice(i, i + size))) for i in range(0, batch.batch_size, size)]
+        finally:
+            self.train(was_training)
+        return _concat(parts)
+
+    @property
+    @abc.abstractmethod
+    def training(self) -> bool:
+        """Whether the engine is in train mode (dropout on)."""
+
     @abc.abstractmethod
     def train(self, mode: bool = True) -> None: ...
 
@@ -386,31 +463,60 @@ class TrainingEngine(abc.ABC):
         self.train(False)
 
     @abc.abstractmethod
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> torch.optim.Optimizer:
-        """Take the optimizer (and LR scheduler) that will step this engine's parameters (built over
-        :attr:`module`'s parameters); returns the optimizer object a `transformers.Trainer` should step."""
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch's (already scaled) loss; called by :meth:`forward_backward` only."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A context in which a forward and backward accumulate local gradients without reducing them."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ the optimizer
+    @abc.abstractmethod
+    def configure_optimizer(self, spec: OptimizerSpec) -> None:
+        """Build this engine's optimizer (and LR schedule, when `spec.scheduler` is set) over its own parameters
+        in its own layout (a DeepSpeed engine initialises DeepSpeed here)."""
 
     @abc.abstractmethod
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss` (already divided by gradient accumulation) into this engine's parameters."""
+    def configure_scheduler(self, spec: SchedulerSpec | None = None, scheduler: Any = None) -> None:
+        """Set the LR schedule after :meth:`configure_optimizer`: built from `spec`, or the user's `scheduler`."""
+
+    @property
+    @abc.abstractmethod
+    def has_optimizer(self) -> bool:
+        """Whether :meth:`configure_optimizer` has run."""
 
     @abc.abstractmethod
-    def clip_grad_norm(self, max_norm: float | None) -> float:
-        """Global gradient norm over all ranks before clipping (clipping to `max_norm` if set)."""
-
-    @abc.abstractmethod
-    def step(self, max_norm: float | None = None) -> float | None:
-        """Clip, optimizer step, scheduler step, zero gradients; returns the gradient norm (None if the
-        backend reports none)."""
+    def optimizer_step(self) -> float | None:
+        """The global gradient norm over every rank and parameter shard, clipping to the spec's `max_grad_norm`,
+        the optimizer step, the LR schedule's step, and zeroed gradients. Returns the norm before clipping (None
+        if the backend reports none)."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None: ...
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """A context in which backward accumulates local gradients without reducing them across ranks."""
-        return contextlib.nullcontext()
+    @property
+    @abc.abstractmethod
+    def param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups (their `lr` and `weight_decay` may be changed in place)."""
 
-    # ------------------------------------------------------------------ weights
+    @abc.abstractmethod
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer's state (this rank's shard on sharded layouts)."""
+
+    @abc.abstractmethod
+    def load_optimizer_state_dict(self, state: dict) -> None: ...
+
+    @abc.abstractmethod
+    def scheduler_state_dict(self) -> dict | None: ...
+
+    @abc.abstractmethod
+    def load_scheduler_state_dict(self, state: dict) -> None: ...
+
+    @abc.abstractmethod
+    def last_lr(self) -> list[float]:
+        """The learning rate of every parameter group now."""
+
+    # ------------------------------------------------------------------ weights and checkpoints
     @abc.abstractmethod
     def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None,
                        to_cpu: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -421,9 +527,92 @@ class TrainingEngine(abc.ABC):
         """The whole, HF-named state dict on the main rank (empty elsewhere); a collective."""
 
     @abc.abstractmethod
-    def save_state(self, output_dir: str) -> None:
-        """Save what resuming needs beyond the weights (optimizer, scheduler; shards per rank); a collective."""
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load whole, HF-named weights into the (possibly sharded) model; a collective when sharded."""
 
     @abc.abstractmethod
-    def load_state(self, input_dir: str) -> None:
-        """Restore what :meth:`save_state` wrote (and, for sharded layouts, the weights)."""
+    def save_pretrained(self, output_dir: str, **kwargs: Any) -> None:
+        """The HF export: `save_pretrained` of the whole model on the main rank (a collective when sharded)."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, output_dir: str) -> None:
+        """Save what resuming needs beyond the HF weights (optimizer and schedule; one shard per rank on sharded
+        layouts); a collective."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, input_dir: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+
+    # ------------------------------------------------------------------ what other roles may know of the model
+    @property
+    def config(self) -> Any:
+        """The model's `PretrainedConfig` (sizes, token ids), or None."""
+        return getattr(self.model, "config", None)
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether the model carries PEFT adapters that :meth:`adapters_disabled` can switch off."""
+        return hasattr(self.model, "disable_adapter")
+
+    def state_dict_keys(self) -> tuple[set[str], set[str]]:
+        """`(the HF state-dict keys of the model, the keys tied to another one)`: what a checkpoint must hold."""
+        model = self.model
+        return set(model.state_dict().keys()), set(getattr(model, "_tied_weights_keys", None) or [])
+
+    @torch.no_grad()
+    def mix_weights_from(self, source: TrainingEngine, alpha: float) -> None:
+        """`self <- (1 - alpha) self + alpha source`, parameter by parameter (TR-DPO / TRL's `sync_ref_model`; both
+        engines on one layout, so that shards line up)."""
+        mine, theirs = list(self.model.parameters()), list(source.model.parameters())
+        if len(mine) != len(theirs):
+            raise ValueError(f"the {self.role} has {len(mine)} parameters but the {source.role} {len(theirs)}: "
+                             "cannot mix.")
+        for r, p in zip(mine, theirs):
+            r.lerp_(p.detach().to(r.dtype), alpha)
+
+    def shares_weights_with(self, module: Any) -> bool:
+        """Whether `module` is this engine's own model (a colocated rollout engine generating on its tensors)."""
+        return module is not None and module is self.model
+
+    def rollout_model(self) -> torch.nn.Module:
+        """The model, unwrapped, for a rollout engine colocated on the same tensors (a transformers engine on the
+        actor) or for building one (vLLM's `from_model`, a copy for asynchronous rollout).
+
+        Raises:
+            ValueError: on a layout that partitions parameters (FSDP2, ZeRO-3): no rank holds the whole model.
+        """
+        if not self.holds_full_weights:
+            raise ValueError(f"the {self.role} engine ({self.backend.label}) partitions its parameters: no rank holds "
+                             "a whole model to generate with; generate on a replica kept in step by weight sync.")
+        return self.model
+
+
+def _detached(output: Any) -> Any:
+    """A forward output with every tensor detached (a tensor, a dataclass of tensors, or a tuple / list / dict)."""
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if is_dataclass(output) and not isinstance(output, type):
+        return replace(output, **{f.name: _detached(getattr(output, f.name)) for f in fields(output)})
+    if isinstance(output, (tuple, list)):
+        return type(output)(_detached(x) for x in output)
+    if isinstance(output, dict):
+        return {k: _detached(v) for k, v in output.items()}
+    return output
+
+
+def _concat(parts: list[Any]) -> Any:
+    """Concatenate per-chunk outputs over their rows: tensors, :class:`PolicyOutput` field by field, tuples
+    element by element (a `None` field stays None)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(parts).mean() if first.dim() == 0 else torch.cat(parts)  # a scalar: its mean
+    if isinstance(first, PolicyOutput):
+        return PolicyOutput(*(_concat([getattr(p, f.name) for p in parts]) for f in fields(PolicyOutput)))
+    if isinstance(first, tuple):
+        return tuple(_concat(list(items)) for items in zip(*parts))
+    if first is None:
+        return None
+    raise TypeError(f"infer() cannot concatenate outputs of type {type(first).__name__}; run one chunk "
+                    "(micro_batch=None) or return tensors.")

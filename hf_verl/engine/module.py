@@ -3,8 +3,10 @@
 `transformers.Trainer` wraps its model for distributed training itself (through accelerate) unless
 the module it trains is already a wrapper. The hf_verl trainers hand it an `EngineModule` over the
 actor's engine instead: the Trainer then leaves the layout to the engine (DDP, FSDP2 or ZeRO,
-chosen once in :mod:`hf_verl.parallel.backend`), and its gradient-accumulation `no_sync`, gradient
-clipping over `parameters()` and `zero_grad` reach the engine's own module.
+chosen once in :mod:`hf_verl.parallel.backend`). The engine runs a whole accumulation window itself
+(:meth:`~hf_verl.engine.base.TrainingEngine.forward_backward`, which reduces gradients once, with the last
+micro-batch) and clips inside its own optimizer step, so the Trainer's `no_sync` around a micro-batch is a
+no-op here and `zero_grad` reaches the engine.
 """
 
 from __future__ import annotations
@@ -48,5 +50,5 @@ class EngineModule(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        with self.engine.no_sync():
-            yield
+        # the engine decides where gradients are reduced within the window it runs (forward_backward)
+        yield

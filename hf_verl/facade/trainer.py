@@ -27,6 +27,7 @@ whatever the engine and however stale the rollout).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -36,7 +37,10 @@ from typing import Any
 import torch
 
 from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, tokenize_prompts
-from hf_verl.engine.accelerate_engine import AccelerateEngine
+from hf_verl.data.batch import LossInputs
+from hf_verl.engine.base import TrainingEngine
+from hf_verl.engine.registry import launch_role_layout, make_engine
+from hf_verl.engine.step import LogProbs, OptimizerSpec, PolicyOutput, Values
 from hf_verl.facade.config import TrainerConfig
 from hf_verl.facade.debug import (
     DEFAULT_DEBUG_FILE,
@@ -132,14 +136,12 @@ class Trainer:
         self._order: list[int] = []
         self._epoch = 0
         self._layout = None  # (backend, dims, accelerator), decided on first use
-        self._engines: dict[str, AccelerateEngine] = {}
+        self._engines: dict[str, TrainingEngine] = {}
         self._sharded_rewards = 0
-        self._actor_opt: torch.optim.Optimizer | None = None
-        self._critic_opt: torch.optim.Optimizer | None = None
         self._moves_logged: set[str] = set()
         self._loss_metrics: dict[str, Any] = {}
         self._loss_rollout: Rollout | None = None
-        self._loss_parts: tuple[torch.Tensor, list] | None = None
+        self._pending_loss: torch.Tensor | None = None  # compute_loss ran its backward; step() applies it
         self.global_step = 0
         self._async_rollout = AsyncRollout(self)  # the worker and the prefetched rollouts, by source
         weakref.finalize(self, self._async_rollout.prefetcher.close, False)
@@ -190,65 +192,61 @@ class Trainer:
         return self._tokenizer
 
     def _launch_layout(self):
-        """The backend, `ParallelDims` and accelerator of this launch (decided once, on first use)."""
+        """The launch's default [`RoleLayout`] and its accelerator (decided once, on first use)."""
         if self._layout is None:
             from accelerate import Accelerator
 
             from hf_verl.parallel.backend import check_accelerate_parallelism
-            from hf_verl.trainers.engine_glue import launch_layout
 
             check_accelerate_parallelism()  # before accelerate builds groups of its own
             accelerator = Accelerator(cpu=not torch.cuda.is_available())
-            backend, dims = launch_layout(accelerator.num_processes, self.config.sequence_parallel_size)
-            self._layout = (backend, dims, accelerator)
+            layout = launch_role_layout(accelerator.num_processes,
+                                        sequence_parallel_size=self.config.sequence_parallel_size)
+            self._layout = (layout, accelerator)
         return self._layout
 
     @property
     def dims(self):
         """The run's [`ParallelDims`] (data-parallel rank and size, groups)."""
-        return self._launch_layout()[1]
+        return self._launch_layout()[0].dims
 
-    def _role_engine(self, name: str) -> AccelerateEngine | None:
+    def _role_engine(self, name: str) -> TrainingEngine | None:
         """The training engine of role `name` ("actor", "critic", "reference"), made on first use."""
         role = {"actor": self.actor, "critic": self.critic, "reference": self.reference}[name]
         if role is None:
             return None
         if name not in self._engines:
-            backend, dims, accelerator = self._launch_layout()
+            layout, accelerator = self._launch_layout()
             model = role.get()
-            if name == "actor" and backend.partitions_parameters and self._engine is None:
+            if name == "actor" and layout.backend.partitions_parameters and self._engine is None:
                 # a sharded actor cannot generate: the default engine gets a replica, made before sharding
                 from hf_verl.rollout.hf_engine import TransformersEngine
 
                 self._engine = TransformersEngine(frozen_copy(model), self.tokenizer)
             rows = self.config.rollout_batch_size * self.config.num_generations
-            engine = AccelerateEngine(
-                model, role=name, dims=dims, backend=backend, accelerator=accelerator, trainable=name != "reference",
+            engine = make_engine(
+                model, name, layout, accelerator=accelerator, trainable=name != "reference",
                 micro_batch_size=rows, max_grad_norm=self.config.max_grad_norm,
                 pad_token_id=self.tokenizer.pad_token_id if name == "critic" else None)
             self._engines[name] = engine
             if name != "reference":
-                self._attach_optimizer(name, engine)
+                engine.configure_optimizer(self._optimizer_spec(name))
             if name == "actor":  # reward models shard with the policy; loading them is a main-thread step
                 self._sharded_rewards = place_reward_models(
-                    self.reward_funcs, backend, async_rollout=self.config.use_async_rollout,
-                    make_engine=lambda m: AccelerateEngine(m, role="reward", dims=dims, backend=backend,
-                                                           accelerator=accelerator, trainable=False))
+                    self.reward_funcs, layout.backend, async_rollout=self.config.use_async_rollout,
+                    make_engine=lambda m: make_engine(m, "reward", layout, accelerator=accelerator, trainable=False))
         return self._engines[name]
 
-    def _attach_optimizer(self, name: str, engine: AccelerateEngine) -> None:
+    def _optimizer_spec(self, name: str) -> OptimizerSpec:
+        """AdamW over every trainable parameter (`critic_learning_rate` for the critic), clipping to
+        `max_grad_norm`, a constant learning rate (changed live through `trainer.config`)."""
         cfg = self.config
         lr = cfg.learning_rate if name == "actor" else (cfg.critic_learning_rate or cfg.learning_rate)
-        params = [p for p in engine.module.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-        engine.attach_optimizer(optimizer)
-        if name == "actor":
-            self._actor_opt = optimizer
-        else:
-            self._critic_opt = optimizer
+        return OptimizerSpec(torch.optim.AdamW, {"lr": lr}, weight_decay=cfg.weight_decay,
+                             max_grad_norm=cfg.max_grad_norm)
 
     @property
-    def actor_engine(self) -> AccelerateEngine:
+    def actor_engine(self) -> TrainingEngine:
         """The actor's training engine."""
         return self._role_engine("actor")
 
@@ -259,7 +257,7 @@ class Trainer:
         if self._engine is None:
             from hf_verl.rollout.hf_engine import TransformersEngine
 
-            self._engine = TransformersEngine(actor.model, self.tokenizer)
+            self._engine = TransformersEngine(actor.rollout_model(), self.tokenizer)
         return self._engine
 
     def supported_parallelisms(self, reasons: bool = False) -> list[str] | dict[str, str]:
@@ -275,9 +273,9 @@ class Trainer:
         return supported_parallelisms()
 
     # ------------------------------------------------------------------ role moves and debug
-    def _into(self, role: str, engine: AccelerateEngine, batch: Rollout) -> Rollout:
+    def _into(self, role: str, engine: TrainingEngine, batch: Rollout) -> Rollout:
         """`batch` on `role`'s device; a device/dtype difference from the actor is logged once."""
-        device, dtype = model_device_dtype(engine.model)
+        device, dtype = engine.device, engine.dtype
         a_device, a_dtype = model_device_dtype(self.model)
         if (device, dtype) != (a_device, a_dtype) and role not in self._moves_logged:
             self._moves_logged.add(role)
@@ -505,11 +503,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ loss and step
     def compute_loss(self, rollout: Rollout) -> torch.Tensor:
-        """The scalar loss of `rollout` (or of a mini-batch from `rollout.split(n)`).
+        """The scalar loss of `rollout` (or of a mini-batch from `rollout.split(n)`), with its backward done.
 
         PPO-clip policy loss, plus `vf_coef` x clipped value loss with a critic, `beta` x KL to the
         reference, minus `entropy_coef` x entropy, aggregated per `loss_type` (the token-mean modes
-        over the tokens of every data-parallel rank). Each term is in the metrics `step` returns.
+        over the tokens of every data-parallel rank). Each role's engine runs the forward and the backward of its
+        part (`engine.forward_backward`); gradients accumulate over `compute_loss` calls until `step`. Each term
+        is in the metrics `step` returns.
+
+        Returns:
+            `torch.Tensor`: the loss value (detached: the engines have already backpropagated it).
+
+        Raises:
+            FloatingPointError: a loss that is not finite (the gradients of this call are discarded).
         """
         cfg = self.config
         with trace(rollout.trace_id or new_trace_id()):
@@ -517,41 +523,67 @@ class Trainer:
             actor = self.actor_engine
             actor.train()
             normalizer = phases.global_token_count(self.dims, rollout.completion_mask) / self.dims.dp_size
-            logp, entropy = actor.logprobs(rollout, temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
-                                           chunk_size=cfg.logprob_chunk_size, with_entropy=True)
             m: dict[str, Any] = {}
             if rollout.meta.get("off_policy"):
                 m.update(self._importance_weights(rollout))
             if cfg.beta > 0 and rollout.ref_logprobs is None:
                 rollout.ref_logprobs = self._reference_logprobs(rollout)
-            threshold = phases.entropy_threshold(self.dims, entropy, rollout.completion_mask, cfg.top_entropy_quantile)
-            policy, st = losses.policy_loss(
-                logp, rollout, loss=losses.loss_form(cfg), params=losses.loss_params(cfg), loss_type=cfg.loss_type,
-                normalizer=normalizer, max_completion_length=cfg.max_completion_length, kl_coef=cfg.beta,
-                kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.use_bias_correction_kl, entropy=entropy,
-                entropy_coef=cfg.entropy_coef, entropy_normalizer=normalizer, entropy_threshold=threshold,
-                off_policy_threshold=cfg.off_policy_mask_threshold)
-            parts = [(actor, policy)]
-            loss = policy
-            m.update({"loss/policy": st["policy"].item(), "entropy": st["entropy"].item(),
-                      "clip_ratio": st["clip_region"].item()})
-            if cfg.beta > 0:
-                m["kl"] = st["kl"].item()
+            rollout.loss_inputs = LossInputs(loss_normalizer=normalizer, token_normalizer=normalizer)
+            request = LogProbs(temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
+                               chunk_size=cfg.logprob_chunk_size, with_entropy=True)
+            self._set_entropy_threshold(rollout, request)
+            policy = actor.forward_backward([rollout], self._policy_loss, forward=request)
+            m.update(policy.metrics[0])
+            loss = policy.losses[0]
             critic = self._role_engine("critic")
             if critic is not None:
                 critic.train()
                 moved = self._into("critic", critic, rollout)
-                values = critic.values(moved).float().to(rollout.device)
-                value, vst = losses.value_loss(values, rollout, clip=cfg.cliprange_value, normalizer=normalizer)
-                parts.append((critic, cfg.vf_coef * value))
-                loss = loss + cfg.vf_coef * value
-                m.update({"loss/value": vst["value"].item(), "value/clip_frac": vst["clip_frac"].item()})
+                value = critic.forward_backward([moved], self._value_loss, forward=Values())
+                m.update(value.metrics[0])
+                loss = loss + value.losses[0].to(loss.device)
             m["loss/total"] = loss.item()
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"the loss is {loss.item()} (terms: {m}).")
-            self._loss_metrics, self._loss_rollout, self._loss_parts = m, rollout, (loss, parts)
+                for engine in (actor, critic):
+                    if engine is not None:
+                        engine.zero_grad()
+                raise FloatingPointError(f"the loss is {loss.item()} (terms: {m}); its gradients were discarded.")
+            self._loss_metrics, self._loss_rollout, self._pending_loss = m, rollout, loss
             logger.info("compute_loss: total %.4f, policy %.4f", m["loss/total"], m["loss/policy"])
         return loss
+
+    def _policy_loss(self, out: PolicyOutput, rollout: Rollout):
+        """The actor's loss of one rollout and its metrics (no collective: see `rollout.loss_inputs`)."""
+        cfg, inputs = self.config, rollout.loss_inputs
+        policy, st = losses.policy_loss(
+            out.logp, rollout, loss=losses.loss_form(cfg), params=losses.loss_params(cfg), loss_type=cfg.loss_type,
+            normalizer=inputs.loss_normalizer, max_completion_length=cfg.max_completion_length, kl_coef=cfg.beta,
+            kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.use_bias_correction_kl, entropy=out.entropy,
+            entropy_coef=cfg.entropy_coef, entropy_normalizer=inputs.token_normalizer,
+            entropy_threshold=inputs.entropy_threshold, off_policy_threshold=cfg.off_policy_mask_threshold)
+        m = {"loss/policy": st["policy"], "entropy": st["entropy"], "clip_ratio": st["clip_region"]}
+        if cfg.beta > 0:
+            m["kl"] = st["kl"]
+        return policy, m
+
+    def _value_loss(self, values: torch.Tensor, rollout: Rollout):
+        """`vf_coef` x the critic's clipped value loss of one rollout, and its metrics."""
+        cfg = self.config
+        values = values.float().to(rollout.device)
+        value, vst = losses.value_loss(values, rollout, clip=cfg.cliprange_value,
+                                       normalizer=rollout.loss_inputs.loss_normalizer)
+        return cfg.vf_coef * value, {"loss/value": vst["value"], "value/clip_frac": vst["clip_frac"]}
+
+    def _set_entropy_threshold(self, rollout: Rollout, request: LogProbs) -> None:
+        """`top_entropy_quantile` < 1: the entropy threshold over every rank's tokens, from a forward-only pass
+        before the step (a loss function runs no collective)."""
+        if self.config.top_entropy_quantile >= 1.0:
+            return
+        out = self.actor_engine.forward_backward([rollout], lambda o, _: (o.logp.new_zeros(()), {}), forward=request,
+                                                 forward_only=True, keep_outputs=True).outputs[0]
+        threshold = phases.entropy_threshold(self.dims, out.entropy, rollout.completion_mask,
+                                             self.config.top_entropy_quantile)
+        rollout.loss_inputs = dataclasses.replace(rollout.loss_inputs, entropy_threshold=threshold)
 
     def _importance_weights(self, rollout: Rollout) -> dict[str, Any]:
         """Truncated / masked IS weights of an off-policy rollout (behaviour = the engine's sampling
@@ -568,26 +600,27 @@ class Trainer:
 
     def _on_config_change(self, name: str, old: Any, new: Any) -> None:
         cfg = self.config
+        actor, critic = self._engines.get("actor"), self._engines.get("critic")
+        updates: list[tuple[TrainingEngine | None, str, Any]] = []
         if name == "learning_rate":
-            updates = {self._actor_opt: new}
+            updates.append((actor, "lr", new))
             if cfg.critic_learning_rate is None:
-                updates[self._critic_opt] = new
+                updates.append((critic, "lr", new))
         elif name == "critic_learning_rate":
-            updates = {self._critic_opt: new if new is not None else cfg.learning_rate}
+            updates.append((critic, "lr", new if new is not None else cfg.learning_rate))
         elif name == "weight_decay":
-            for opt in (self._actor_opt, self._critic_opt):
-                for group in (opt.param_groups if opt is not None else []):
-                    group["weight_decay"] = new
-            updates = {}
-        else:
-            updates = {}
-        for opt, lr in updates.items():
-            for group in (opt.param_groups if opt is not None else []):
-                group["lr"] = lr
+            updates += [(actor, "weight_decay", new), (critic, "weight_decay", new)]
+        for engine, key, value in updates:
+            for group in (engine.param_groups if engine is not None else []):
+                group[key] = value
         logger.info("config.%s: %r -> %r (takes effect at the next rollout / step)", name, old, new)
 
     def step(self, loss: torch.Tensor) -> dict[str, Any]:
-        """Backward `loss` through each role's engine, clip, step the actor (and critic), sync weights.
+        """Apply the gradients `compute_loss` accumulated: each role's engine clips (the global norm) and steps
+        its optimizer; then the rollout engine is synced to the new weights.
+
+        Args:
+            loss (`torch.Tensor`): the loss `compute_loss` returned (its backward already ran in the engines).
 
         Returns:
             `dict`: the metrics of the last `compute_loss`, of its rollout, gradient norms,
@@ -595,42 +628,33 @@ class Trainer:
         """
         rollout = self._loss_rollout
         with trace((rollout.trace_id if rollout is not None else None) or new_trace_id()) as trace_id:
-            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-                raise ValueError("step() needs the loss tensor returned by compute_loss (with its graph).")
+            if self._pending_loss is None:
+                raise ValueError("step() applies the gradients of compute_loss(): call trainer.compute_loss(rollout) "
+                                 "first, then trainer.step(loss).")
+            if not isinstance(loss, torch.Tensor) or loss.requires_grad:
+                raise ValueError("step() takes the loss compute_loss returned; its backward already ran in each "
+                                 "role's engine, so a loss with a graph of your own (extra terms) would not be "
+                                 "trained: add terms through a policy_loss / loss_type setting instead.")
             self._record("compute_loss->step", {"loss": loss})
-            self._backward(loss)
             m: dict[str, Any] = dict(rollout.metrics) if rollout is not None else {}
             m.update(self._loss_metrics)
-            cfg = self.config
-            m["grad_norm/actor"] = self.actor_engine.step(cfg.max_grad_norm)
-            m["lr/actor"] = self._actor_opt.param_groups[0]["lr"]
+            actor = self.actor_engine
+            m["grad_norm/actor"] = actor.optimizer_step()
+            m["lr/actor"] = actor.last_lr()[0]
             critic = self._role_engine("critic")
             if critic is not None:
-                m["grad_norm/critic"] = critic.step(cfg.max_grad_norm)
-                m["lr/critic"] = self._critic_opt.param_groups[0]["lr"]
+                m["grad_norm/critic"] = critic.optimizer_step()
+                m["lr/critic"] = critic.last_lr()[0]
             self.global_step += 1
             if self._async_rollout.prefetcher.busy(self.engine):  # never while it generates: synced before its next generation
                 self._sync_deferred = True
             else:
                 self._sync_engine()
             m.update({"weight_version": self.engine.weight_version, "step": self.global_step, "trace_id": trace_id})
-            self._loss_metrics, self._loss_rollout, self._loss_parts = {}, None, None
+            self._loss_metrics, self._loss_rollout, self._pending_loss = {}, None, None
             logger.info("step %d: grad_norm/actor %.4f, weight_version %d", self.global_step,
                         m["grad_norm/actor"], m["weight_version"])
         return m
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        """Each role's part of the loss `compute_loss` returned goes back through its own engine (a
-        DeepSpeed engine must run its own backward); any other loss tensor is backpropagated as is."""
-        if self._loss_parts is not None and loss is self._loss_parts[0]:
-            for engine, part in self._loss_parts[1]:
-                engine.backward(part)
-            return
-        if any(e.backend.kind == "deepspeed" for e in self._engines.values()):
-            raise ValueError("with DeepSpeed, step() needs the very loss compute_loss returned (each role "
-                             "backpropagates through its own engine); add your own terms inside a custom loss "
-                             "only with DDP or FSDP2.")
-        loss.backward()
 
     def _sync_engine(self) -> None:
         """Bring the engine to the actor's weights: a version bump for an engine on the actor itself,

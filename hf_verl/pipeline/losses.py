@@ -68,7 +68,7 @@ def policy_loss(logp: torch.Tensor, batch: RolloutBatch, *, loss: str = "clip",
     Args:
         logp (`torch.Tensor` `(B, C)`): the actor's log-probs of the sampled tokens (with gradient).
         batch ([`RolloutBatch`]): old log-probs (None: on-policy, the ratio is 1), advantages, masks; the
-            engine/trainer importance weights in `meta["is_weights"]` multiply the loss (VESPO folds them
+            engine/trainer importance weights in `batch.is_weights` multiply the loss (VESPO folds them
             into its sequence ratio instead).
         loss (`str`): the loss form; params ([`PolicyLossParams`]): its clip ranges and knobs.
         loss_type (`str`): the aggregation (see `aggregate_loss`); normalizer: its token count.
@@ -91,7 +91,7 @@ def policy_loss(logp: torch.Tensor, batch: RolloutBatch, *, loss: str = "clip",
     if normalizer is None:
         normalizer = float(mask.sum().item())
     old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
-    is_weights = batch.meta.get("is_weights")
+    is_weights = batch.is_weights
     if loss == "bypass_mode":  # against the engine's own log-probs; its weights replace the IS correction
         if batch.sampling_logprobs is None:
             raise ValueError("policy loss 'bypass_mode' needs the rollout engine's log-probs (sampling_logprobs).")

@@ -8,8 +8,6 @@ on one process as split over several. Forward passes run `micro_batch` rows at a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from hf_verl.algorithms.estimators import (
@@ -21,6 +19,7 @@ from hf_verl.algorithms.importance import importance_weights
 from hf_verl.algorithms.policy_losses import entropy_quantile
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.base import TrainingEngine
+from hf_verl.engine.step import LogProbs, SamplingStatistics, Values
 from hf_verl.parallel import comm
 from hf_verl.parallel.dims import ParallelDims
 
@@ -29,42 +28,20 @@ GLOBAL_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforc
                      "gpg", "grpo_passk", "opo", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
 
 
-def chunked(fn: Callable[[RolloutBatch], torch.Tensor], batch: RolloutBatch, micro_batch: int) -> torch.Tensor:
-    """Apply a `(rows, C)`-valued forward over `micro_batch`-row slices of `batch` and concatenate."""
-    size = max(1, micro_batch)
-    return torch.cat([fn(batch.select(slice(i, i + size))) for i in range(0, batch.batch_size, size)])
-
-
-@torch.no_grad()
 def policy_logprobs(actor: TrainingEngine, batch: RolloutBatch, *, temperature: float, chunk_size: int,
                     micro_batch: int) -> torch.Tensor:
     """The actor's `(B, C)` log-probs of the sampled tokens (the PPO "old" policy), no gradient."""
-    was_training = actor.module.training
-    actor.eval()
-    try:
-        return chunked(lambda mb: actor.logprobs(mb, temperature=temperature, chunk_size=chunk_size)[0],
-                       batch, micro_batch)
-    finally:
-        actor.train(was_training)
+    return actor.infer(batch, LogProbs(temperature=temperature, chunk_size=chunk_size), micro_batch=micro_batch).logp
 
 
-@torch.no_grad()
 def sampling_statistics(actor: TrainingEngine, batch: RolloutBatch, *, temperature: float, chunk_size: int,
                         micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(old log-probs, sum_v pi_v^2)`, both `(B, C)`, of the actor on a rollout (no gradient): the inputs of
     the optimal-token-baseline estimators."""
-    was_training = actor.module.training
-    actor.eval()
-    try:
-        parts = [actor.sampling_statistics(batch.select(slice(i, i + max(1, micro_batch))), temperature=temperature,
-                                           chunk_size=chunk_size)
-                 for i in range(0, batch.batch_size, max(1, micro_batch))]
-    finally:
-        actor.train(was_training)
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return actor.infer(batch, SamplingStatistics(temperature=temperature, chunk_size=chunk_size),
+                       micro_batch=micro_batch)
 
 
-@torch.no_grad()
 def reference_logprobs(reference: TrainingEngine | None, actor: TrainingEngine, batch: RolloutBatch, *,
                        temperature: float, chunk_size: int, micro_batch: int) -> torch.Tensor:
     """`(B, C)` log-probs under the reference: its own engine, else the actor with PEFT adapters off.
@@ -73,24 +50,18 @@ def reference_logprobs(reference: TrainingEngine | None, actor: TrainingEngine, 
         ValueError: with neither a reference engine nor adapters to disable.
     """
     if reference is not None:
-        return chunked(lambda mb: reference.logprobs(mb, temperature=temperature, chunk_size=chunk_size)[0],
-                       batch, micro_batch)
-    if not hasattr(actor.model, "disable_adapter"):
+        return policy_logprobs(reference, batch, temperature=temperature, chunk_size=chunk_size,
+                               micro_batch=micro_batch)
+    if not actor.has_adapters:
         raise ValueError("a KL term needs a reference policy: pass a reference model (id, path or a frozen copy "
                          "of the actor), or train a PEFT actor (adapters disabled serve as the reference).")
     with actor.adapters_disabled():
         return policy_logprobs(actor, batch, temperature=temperature, chunk_size=chunk_size, micro_batch=micro_batch)
 
 
-@torch.no_grad()
 def critic_values(critic: TrainingEngine, batch: RolloutBatch, *, micro_batch: int) -> torch.Tensor:
     """The critic's `(B, C)` values of the states before each completion token, 0 on padding."""
-    was_training = critic.module.training
-    critic.eval()
-    try:
-        return chunked(critic.values, batch, micro_batch)
-    finally:
-        critic.train(was_training)
+    return critic.infer(batch, Values(), micro_batch=micro_batch)
 
 
 def global_masked_whiten(dims: ParallelDims, values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
@@ -156,15 +127,15 @@ def global_token_count(dims: ParallelDims, mask: torch.Tensor) -> float:
 def attach_importance_weights(batch: RolloutBatch, *, mode: str, clip_min: float | None, clip_max: float | None,
                               correct: bool) -> dict[str, float]:
     """Compare the engine's sampling log-probs with the actor's old ones; with `correct`, put the
-    truncated / masked importance weights into `batch.meta["is_weights"]`. Returns TRL's
-    `sampling/*` metrics (empty when the engine gave no log-probs)."""
-    batch.meta.pop("is_weights", None)  # weights of an earlier call (other settings) never linger
+    truncated / masked importance weights into `batch.is_weights`. Returns TRL's `sampling/*` metrics
+    (empty when the engine gave no log-probs)."""
+    batch.is_weights = None  # weights of an earlier call (other settings) never linger
     lp, mask = batch.sampling_logprobs, batch.completion_mask.bool()
     if lp is None or batch.old_logprobs is None or (mask.any() and not torch.isfinite(lp[mask]).any()):
         return {}
     weights, stats = importance_weights(batch.old_logprobs, lp, batch.completion_mask, mode, clip_min, clip_max)
     if correct:
-        batch.meta["is_weights"] = weights.detach()
+        batch.is_weights = weights.detach().float()
     return stats
 
 

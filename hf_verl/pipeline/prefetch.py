@@ -73,7 +73,7 @@ class RolloutPrefetcher:
         if self.copy_engine is None:
             self.wait_idle()
             t0 = time.perf_counter()
-            model = frozen_copy(actor.model)
+            model = frozen_copy(actor.rollout_model())
             self.copy_engine = TransformersEngine(model, engine.tokenizer, batch_size=engine.batch_size,
                                                   use_generate=engine.use_generate,
                                                   cache_implementation=engine.cache_implementation,

@@ -28,7 +28,7 @@ from hf_verl.rollout.weight_sync import DEFAULT_BUCKET_BYTES
 
 def shares_actor_weights(engine: RolloutEngine, actor: TrainingEngine) -> bool:
     """Whether `engine` generates with the actor's own parameter tensors (so training mutates them)."""
-    return getattr(engine, "model", None) is actor.model
+    return actor.shares_weights_with(getattr(engine, "model", None))
 
 
 def is_shared_server(engine: RolloutEngine) -> bool:
@@ -45,7 +45,7 @@ def sync_weights(actor: TrainingEngine, engine: RolloutEngine) -> float:
     """
     t0 = time.perf_counter()
     if shares_actor_weights(engine, actor):
-        engine.sync_weights(actor.model.named_parameters())  # its own tensors: a version bump
+        engine.sync_weights(engine.model.named_parameters())  # the actor's own tensors: a version bump
         return time.perf_counter() - t0
     bucket = getattr(engine, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
     dims = actor.dims

@@ -1,8 +1,8 @@
 """The critic role of the TRL-style PPO trainer: loading a value model, its optimizer, stepping, saving.
 
 The value model is an `AutoModelForSequenceClassification`-style model with `num_labels=1`; it runs
-in its own training engine (:class:`~hf_verl.engine.accelerate_engine.AccelerateEngine`, the same
-layout as the actor: DDP, FSDP2 or ZeRO), which gives per-token values `V(s_t)` of the state before
+in its own training engine (from :func:`~hf_verl.engine.registry.make_engine`, on the same layout as the
+actor by default: DDP, FSDP2 or ZeRO), which gives per-token values `V(s_t)` of the state before
 every completion token (as in TRL's and verl's PPO) and reduces its gradients across ranks. It has
 its own AdamW, learning rate and schedule, and is stepped right after each policy optimizer step;
 it is saved under `critic/` in every checkpoint and restored on resume.
@@ -14,14 +14,14 @@ import logging
 import os
 
 import torch
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, TrainerCallback, get_scheduler
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, TrainerCallback
 
-from hf_verl.engine.accelerate_engine import AccelerateEngine
+from hf_verl.engine.base import TrainingEngine
+from hf_verl.engine.step import OptimizerSpec, SchedulerSpec
 
 logger = logging.getLogger(__name__)
 
 CRITIC_DIR = "critic"
-CRITIC_OPTIMIZER = "critic_optimizer.pt"
 
 
 def load_value_model(model, *, model_init_kwargs: dict | None = None) -> PreTrainedModel:
@@ -41,35 +41,25 @@ def load_value_model(model, *, model_init_kwargs: dict | None = None) -> PreTrai
     return model
 
 
-def attach_critic_optimizer(critic: AccelerateEngine, args, num_training_steps: int) -> None:
-    """AdamW (`critic_learning_rate`, else `learning_rate`) and the run's LR schedule for the critic."""
-    params = [p for p in critic.module.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.critic_learning_rate or args.learning_rate,
-                                  weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
-                                  eps=args.adam_epsilon)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer,
-                              num_warmup_steps=args.get_warmup_steps(num_training_steps),
-                              num_training_steps=num_training_steps)
-    critic.attach_optimizer(optimizer, scheduler)
+def critic_optimizer_spec(args, num_training_steps: int) -> OptimizerSpec:
+    """AdamW (`critic_learning_rate`, else `learning_rate`; the run's betas, eps and weight decay over every
+    parameter), clipping to `max_grad_norm`, and the run's LR schedule, for the critic's engine to build."""
+    return OptimizerSpec(torch.optim.AdamW, {"lr": args.critic_learning_rate or args.learning_rate,
+                                             "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
+                         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+                         scheduler=SchedulerSpec(args.lr_scheduler_type, args.get_warmup_steps(num_training_steps),
+                                                 num_training_steps, dict(args.lr_scheduler_kwargs or {})))
 
 
-def save_critic(critic: AccelerateEngine, output_dir: str, *, with_optimizer: bool) -> None:
+def save_critic(critic: TrainingEngine, output_dir: str, *, with_optimizer: bool) -> None:
     """Weights under `<output_dir>/critic` (and, for resuming, optimizer and schedule); a collective."""
     path = os.path.join(output_dir, CRITIC_DIR)
     critic.save_pretrained(path)
-    if not with_optimizer or critic.optimizer is None:
-        return
-    if critic.backend.shards:
-        critic.save_state(path)
-        if critic.dims.is_main and critic.scheduler is not None:
-            torch.save({"scheduler": critic.scheduler.state_dict()}, os.path.join(path, CRITIC_OPTIMIZER))
-    elif critic.dims.is_main:
-        state = {"optimizer": critic.optimizer.state_dict(),
-                 "scheduler": critic.scheduler.state_dict() if critic.scheduler is not None else None}
-        torch.save(state, os.path.join(path, CRITIC_OPTIMIZER))
+    if with_optimizer and critic.has_optimizer:
+        critic.save_checkpoint(path)
 
 
-def load_critic(critic: AccelerateEngine, checkpoint_dir: str) -> None:
+def load_critic(critic: TrainingEngine, checkpoint_dir: str) -> None:
     """Restore weights (and optimizer / schedule when saved) from a trainer checkpoint."""
     from safetensors.torch import load_file
 
@@ -78,32 +68,24 @@ def load_critic(critic: AccelerateEngine, checkpoint_dir: str) -> None:
     if not os.path.exists(weights):
         raise FileNotFoundError(f"no critic weights in {path}: was this checkpoint written by PPOTrainer?")
     state = load_file(weights)
-    model = critic.model
-    expected = set(model.state_dict().keys())
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    expected, tied = critic.state_dict_keys()
     missing = [k for k in expected - set(state) if k not in tied]
     unexpected = sorted(set(state) - expected)
     if unexpected or missing:
         raise ValueError(f"critic checkpoint does not match the value model: missing={missing}, "
                          f"unexpected={unexpected}.")
     critic.load_full_state_dict(state)
-    opt = os.path.join(path, CRITIC_OPTIMIZER)
-    if critic.backend.shards and critic.optimizer is not None:
-        critic.load_state(path)
-    if os.path.exists(opt) and critic.optimizer is not None:
-        saved = torch.load(opt, map_location="cpu", weights_only=True)
-        if saved.get("optimizer") is not None and not critic.backend.shards:
-            critic.optimizer.load_state_dict(saved["optimizer"])
-        if critic.scheduler is not None and saved.get("scheduler") is not None:
-            critic.scheduler.load_state_dict(saved["scheduler"])
+    saved = [os.path.join(path, name) for name in (f"{critic.role}_optimizer.pt", "optimizer_shards")]
+    if critic.has_optimizer and any(os.path.exists(p) for p in saved):
+        critic.load_checkpoint(path)
 
 
 class CriticStepCallback(TrainerCallback):
-    """Steps the critic (clip, AdamW, schedule) right after each policy optimizer step."""
+    """Steps the critic's engine (global norm, clipping, AdamW, schedule) right after each policy optimizer step."""
 
-    def __init__(self, critic: AccelerateEngine, max_grad_norm: float | None) -> None:
-        self.critic, self.max_grad_norm = critic, max_grad_norm
+    def __init__(self, critic: TrainingEngine) -> None:
+        self.critic = critic
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.critic.step(self.max_grad_norm)
+        self.critic.optimizer_step()
         return control

@@ -16,6 +16,9 @@ import hashlib
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +39,7 @@ from hf_verl.data.preference import (
 )
 from hf_verl.data.prompts import ensure_pad_token
 from hf_verl.engine.base import TrainingEngine
+from hf_verl.engine.step import ForwardRequest
 from hf_verl.engine.model_options import router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline.prefetch import frozen_copy
@@ -111,6 +115,24 @@ def _split_rows(batch: dict) -> tuple[list[list[int]], list[list[int]]]:
     """A padded pair batch's rows as (prompt tokens, completion tokens) lists."""
     ids, real, comp = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
     return [row[r & ~c].tolist() for row, r, c in zip(ids, real, comp)], [row[c].tolist() for row, c in zip(ids, comp)]
+
+
+@dataclass(frozen=True)
+class PairLogProbs(ForwardRequest):
+    """The forward request of DPO's pairs: `sequence_logps(engine, batch, with_aux_loss, with_wpo)` gives the
+    summed completion log-probs, mean logits and token counts per sequence (chosen rows, then rejected), built
+    on the engine's token log-prob primitives."""
+
+    sequence_logps: Callable
+    with_aux_loss: bool = False
+    with_wpo: bool = False
+
+    def run(self, engine: TrainingEngine, micro_batch: dict) -> tuple:
+        return self.sequence_logps(engine, micro_batch, with_aux_loss=self.with_aux_loss, with_wpo=self.with_wpo)
+
+    def without_extras(self) -> PairLogProbs:
+        """The request for the reference: log-probs, logits and counts only."""
+        return replace(self, with_aux_loss=False, with_wpo=False)
 
 
 def _weights_digest(model) -> str:
@@ -193,7 +215,8 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         elif ref_model is not None:
             ref_model = ref_model.eval().requires_grad_(False)
         self.ref_model = ref_model
-        backend, dims = launch_layout(args.world_size, args.sequence_parallel_size)
+        layout = launch_layout(args.world_size, args.sequence_parallel_size)
+        backend, dims = layout.backend, layout.dims
         if dims.sp > 1:
             unsupported = [name for name, on in (("use_weighting", args.use_weighting),
                                                  ("router_aux_loss_coef", router_aux_loss(model, args.router_aux_loss_coef)[1]),
@@ -217,7 +240,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         if self.ref_model is not None:
             self.ref_model.to(self.accelerator.device)
-        self._init_engines(backend, dims)
+        self._init_engines(layout)
         self.reference = None if self.ref_model is None else self._make_engine(self.ref_model, "reference",
                                                                                trainable=False)
         self.model_accepts_loss_kwargs = False
@@ -427,12 +450,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         if self.state.global_step > 0:
             raise ValueError("no reference model left to score this batch: with precompute_ref_log_probs=True and no "
                              "ref_model, reference log-probs exist only for the datasets precomputed before training.")
-        was_training = self.actor.module.training
-        self.actor.eval()
-        try:
-            return self._sequence_logps(self.actor, batch)[0]
-        finally:
-            self.actor.train(was_training)
+        return self.actor.infer(batch, self._forward_request().without_extras(), micro_batch=None)[0]
 
     def _with_reference_logps(self, dataset, name: str):
         """Add `ref_chosen_logps` / `ref_rejected_logps` columns (to each split of a dict), from the on-disk cache
@@ -471,17 +489,27 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         return dataset.add_column(REF_COLUMNS[1], rejected.tolist())
 
     # ------------------------------------------------------------------ loss
-    def compute_loss(self, model, inputs: dict, return_outputs=False, num_items_in_batch=None):
+    def _with_reference(self, inputs: dict) -> dict:
+        """`inputs` with the reference's summed log-probs of chosen and rejected (`ref_chosen_logps`,
+        `ref_rejected_logps`), computed now unless precomputed columns came with the batch: a step's loss
+        function reads them, it runs no other model."""
+        if REF_COLUMNS[0] not in inputs:
+            inputs[REF_COLUMNS[0]], inputs[REF_COLUMNS[1]] = self._reference_logps(inputs).chunk(2)
+        return inputs
+
+    def _forward_request(self) -> PairLogProbs:
+        return PairLogProbs(self._sequence_logps, with_aux_loss=self.aux_loss_enabled,
+                            with_wpo=self.args.use_weighting)
+
+    def _dpo_loss(self, out: tuple, inputs: dict) -> tuple[torch.Tensor, dict[str, Any]]:
+        """`(loss, metrics)` of one pair micro-batch from the actor's forward `out` (see :meth:`_sequence_logps`);
+        the implicit rewards ride in the metrics as `_chosen_rewards` / `_rejected_rewards` tensors for
+        prediction."""
         args = self.args
-        mode = "train" if self.actor.module.training else "eval"
-        logps, logits, counts, *extra = self._sequence_logps(self.actor, inputs, with_aux_loss=self.aux_loss_enabled,
-                                                             with_wpo=args.use_weighting)
+        logps, logits, counts, *extra = out
         aux = extra[:1] if self.aux_loss_enabled else []
         pair_weights = extra[-1] if args.use_weighting else None
-        if REF_COLUMNS[0] in inputs:
-            ref_c, ref_r = inputs[REF_COLUMNS[0]].to(logps.dtype), inputs[REF_COLUMNS[1]].to(logps.dtype)
-        else:
-            ref_c, ref_r = self._reference_logps(inputs).to(logps.dtype).chunk(2)
+        ref_c, ref_r = inputs[REF_COLUMNS[0]].to(logps.dtype), inputs[REF_COLUMNS[1]].to(logps.dtype)
         c, r = logps.chunk(2)
         n_c, n_r = counts.chunk(2)
         chosen_nll = -c.sum() / n_c.sum().clamp(min=1)
@@ -492,35 +520,50 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
             chosen_nll=chosen_nll, chosen_lengths=n_c, rejected_lengths=n_r, pair_weights=pair_weights,
         )
         rc, rr = implicit_rewards(c, r, ref_c, ref_r, beta=args.beta)
-        m = self._metrics[mode]
+        m: dict[str, Any] = {}
         if aux:  # a Mixture of Experts: TRL adds the weighted router loss to the preference loss
             loss = loss + self.router_aux_loss_coef * aux[0]
-            m["aux_loss"].append(aux[0].item())
-        for k, v in reward_metrics(rc, rr).items():
-            m[k].append(v)
+            m["aux_loss"] = aux[0].detach()
+        m.update(reward_metrics(rc, rr))
         lc, lr = logits.chunk(2)
-        m["logps/chosen"].append(c.detach().mean().item())
-        m["logps/rejected"].append(r.detach().mean().item())
-        m["logits/chosen"].append(lc.mean().item())
-        m["logits/rejected"].append(lr.mean().item())
+        m["logps/chosen"] = c.detach().mean()
+        m["logps/rejected"] = r.detach().mean()
+        m["logits/chosen"] = lc.detach().mean()
+        m["logits/rejected"] = lr.detach().mean()
         if len(parts) > 1:
             for name, value in parts.items():
-                m[f"loss/{name}"].append(float(value))
+                m[f"loss/{name}"] = float(value)
+        return loss, m, (rc.detach(), rr.detach())
+
+    def _take_metrics(self, mode: str, metrics: dict[str, Any]) -> None:
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(float(value))
+
+    def compute_loss(self, model, inputs: dict, return_outputs=False, num_items_in_batch=None):
+        """The DPO loss of one micro-batch (its metrics logged under the actor's mode), without a backward."""
+        mode = "train" if self.actor.training else "eval"
+        inputs = self._with_reference(inputs)
+        out = self._forward_request().run(self.actor, inputs)
+        loss, metrics, (rc, rr) = self._dpo_loss(out, inputs)
+        self._take_metrics(mode, metrics)
         if return_outputs:
             return loss, {"chosen_rewards": rc, "rejected_rewards": rr}
         return loss
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """One micro-batch: the DPO loss, backward through the actor's engine (DDP, FSDP2 or ZeRO)."""
+    def _train_window(self, window: list) -> list[torch.Tensor]:
+        """One optimizer step: the reference's log-probs of every micro-batch first, then the actor's whole window
+        through its engine (DDP, FSDP2 or ZeRO)."""
         self.actor.train()
-        inputs = self._prepare_inputs(inputs)
+        batches = [self._with_reference(self._prepare_inputs(inputs)) for inputs in window]
         offload = torch.autograd.graph.save_on_cpu(pin_memory=True) if self.args.activation_offloading else \
             contextlib.nullcontext()
         with self.compute_loss_context_manager(), offload:
-            loss = self.compute_loss(self._engine_module, inputs)
-        loss = loss / self.current_gradient_accumulation_steps
-        self.actor.backward(loss)
-        return loss.detach()
+            result = self.actor.forward_backward(
+                batches, lambda out, inputs: self._dpo_loss(out, inputs)[:2], forward=self._forward_request(),
+                loss_scale=1.0 / self.current_gradient_accumulation_steps)
+        for metrics in result.metrics:
+            self._take_metrics("train", metrics)
+        return self._window_losses_of(result)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -544,5 +587,4 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
             logs.update(self._data_stats)
             self._data_stats = {}
         metrics.clear()
-        self._engine_grad_norm(logs)
         super().log(logs, start_time)

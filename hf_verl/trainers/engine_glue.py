@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import os
 
-from hf_verl.engine.accelerate_engine import AccelerateEngine
+import torch
+
+from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.module import EngineModule
-from hf_verl.parallel.backend import BackendSpec, resolve_backend
-from hf_verl.parallel.dims import ParallelDims
+from hf_verl.engine.registry import RoleLayout, launch_role_layout, make_engine
+from hf_verl.engine.step import OptimizerSpec, SchedulerSpec, StepResult
 from hf_verl.trainers.rollout_args import RolloutArguments
 
 logger = logging.getLogger(__name__)
@@ -54,33 +56,125 @@ def load_pretrained(model_id: str, model_init_kwargs: dict | None = None, *, tru
     return (auto_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
 
 
-def launch_layout(num_processes: int, sequence_parallel_size: int = 1) -> tuple[BackendSpec, ParallelDims]:
-    """The run's backend (checked against the machine) and its `ParallelDims` (with the `sp` axis of
-    `sequence_parallel_size`; the processes it leaves are data-parallel ranks)."""
-    import torch.distributed as dist
+def launch_layout(num_processes: int, sequence_parallel_size: int = 1) -> RoleLayout:
+    """The launch's default :class:`~hf_verl.engine.registry.RoleLayout` (its backend, checked against the
+    machine, and its `ParallelDims` with the `sp` axis of `sequence_parallel_size`)."""
+    return launch_role_layout(num_processes, sequence_parallel_size=sequence_parallel_size)
 
-    from hf_verl.parallel.dims import _world_and_rank
 
-    world, _ = _world_and_rank()
-    ready = dist.is_available() and dist.is_initialized()
-    backend = resolve_backend(world, ready and num_processes == world)
-    return backend, ParallelDims.from_environment(shard=backend.shards, sp=sequence_parallel_size)
+class EngineOptimizer:
+    """The optimizer a `transformers.Trainer` steps: the engine's own (built from an
+    :class:`~hf_verl.engine.step.OptimizerSpec`), reached through the engine's interface. `step()` is the
+    engine's :meth:`~hf_verl.engine.base.TrainingEngine.optimizer_step` (global norm, clipping, optimizer, LR
+    schedule); the norm it returns fills the tensor :meth:`pending_norm` handed to the Trainer's logging."""
+
+    _is_accelerate_prepared = True  # accelerate must not wrap it: the engine steps its own optimizer
+
+    def __init__(self, engine: TrainingEngine) -> None:
+        self.engine = engine
+        self._norm: torch.Tensor | None = None
+        self.last_grad_norm: float | None = None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.engine.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return {}
+
+    def pending_norm(self) -> torch.Tensor:
+        """A 0-d tensor the next `step()` fills with the gradient norm (NaN if the backend reports none)."""
+        self._norm = torch.full((), float("nan"), dtype=torch.float64)
+        return self._norm
+
+    def step(self, closure=None) -> None:
+        norm = self.engine.optimizer_step()
+        self.last_grad_norm = norm
+        if self._norm is not None:
+            self._norm.fill_(float("nan") if norm is None else norm)
+            self._norm = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def state_dict(self) -> dict:
+        return self.engine.optimizer_state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_optimizer_state_dict(state)
+
+
+class EngineSchedule:
+    """The LR schedule a `transformers.Trainer` steps: the engine's own, which
+    :meth:`~hf_verl.engine.base.TrainingEngine.optimizer_step` already stepped, so `step()` does nothing here."""
+
+    def __init__(self, engine: TrainingEngine) -> None:
+        self.engine = engine
+
+    def step(self, *args, **kwargs) -> None:
+        """The engine stepped its schedule with its optimizer."""
+
+    def get_last_lr(self) -> list[float]:
+        return self.engine.last_lr()
+
+    def state_dict(self) -> dict:
+        return self.engine.scheduler_state_dict() or {}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_scheduler_state_dict(state)
+
+
+def optimizer_spec(trainer, model, *, lr: float | None = None) -> OptimizerSpec:
+    """The :class:`OptimizerSpec` of a Trainer's arguments, as `transformers.Trainer.create_optimizer` would build
+    the optimizer: `optim` (or the Trainer's `optimizer_cls_and_kwargs`), transformers' decay / no-decay groups,
+    `max_grad_norm`; `lr` overrides the learning rate (a critic's)."""
+    args = trainer.args
+    if trainer.optimizer_cls_and_kwargs is not None:
+        cls, kwargs = trainer.optimizer_cls_and_kwargs
+    else:
+        cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
+    kwargs = dict(kwargs)
+    if lr is not None:
+        kwargs["lr"] = lr
+    for key in ("params", "model", "optimizer_dict"):
+        if key in kwargs:
+            raise ValueError(f"optim={args.optim!r} builds its optimizer over the model itself ({key}=), which an "
+                             "hf_verl engine cannot lay out; choose a torch optimizer such as adamw_torch.")
+    return OptimizerSpec(cls, kwargs, weight_decay=args.weight_decay,
+                         decay_parameter_names=set(trainer.get_decay_parameter_names(model)),
+                         max_grad_norm=args.max_grad_norm)
+
+
+def scheduler_spec(args, num_training_steps: int) -> SchedulerSpec:
+    """The LR schedule of a Trainer's arguments over `num_training_steps` optimizer steps."""
+    return SchedulerSpec(args.lr_scheduler_type, args.get_warmup_steps(num_training_steps), num_training_steps,
+                         dict(args.lr_scheduler_kwargs or {}))
 
 
 class EngineTrainerMixin:
     """Mixed into a `transformers.Trainer` subclass; call :meth:`_init_engines` after `Trainer.__init__`.
+
+    The Trainer's loop stays the Trainer's (data, callbacks, logging, checkpoint schedule, resume), but each
+    optimizer step is the engine's: :meth:`get_batch_samples` keeps the accumulation window the Trainer has just
+    drawn, the window's first `training_step` hands the whole window to :meth:`_train_window` (a subclass runs
+    it through `engine.forward_backward`), the later ones return its per-micro-batch losses, and the optimizer
+    and LR schedule the Trainer steps are the engine's (:class:`EngineOptimizer`, :class:`EngineSchedule`).
 
     A subclass names its Hub tags in `_tag_names` (TRL's attribute: e.g. `["trl", "grpo"]`); they are added
     to the trained model (`model.model_tags`, written to the model card on save and push).
     """
 
     _tag_names: list[str] = []
+    _window: list | None = None
+    _window_losses: list | None = None
+    _window_pos: int = 0
 
-    def _init_engines(self, backend: BackendSpec | None = None, dims: ParallelDims | None = None) -> None:
-        if backend is None or dims is None:
-            backend, dims = launch_layout(self.accelerator.num_processes,
-                                          getattr(self.args, "sequence_parallel_size", 1))
-        self.backend, self.dims = backend, dims
+    def _init_engines(self, layout: RoleLayout | None = None) -> None:
+        if layout is None:
+            layout = launch_layout(self.accelerator.num_processes, getattr(self.args, "sequence_parallel_size", 1))
+        self.layout = layout
+        self.backend, self.dims = layout.backend, layout.dims
         self._add_model_tags(self.model)
         # the engine lays the model out; the Trainer must not also run its own FSDP / DeepSpeed path (which
         # accelerate engages on GPU machines from the same launch config)
@@ -109,10 +203,11 @@ class EngineTrainerMixin:
         if self._tag_names and callable(getattr(model, "add_model_tags", None)):
             model.add_model_tags(list(self._tag_names))
 
-    def _make_engine(self, model, role: str, *, trainable: bool, **kwargs) -> AccelerateEngine:
+    def _make_engine(self, model, role: str, *, trainable: bool, layout: RoleLayout | None = None,
+                     **kwargs) -> TrainingEngine:
         args = self.args
-        return AccelerateEngine(
-            model, role=role, dims=self.dims, backend=self.backend, accelerator=self.accelerator,
+        return make_engine(
+            model, role, layout or self.layout, accelerator=self.accelerator,
             trainable=trainable, micro_batch_size=args.per_device_train_batch_size,
             gradient_accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
             bf16=bool(args.bf16), fp16=bool(args.fp16),
@@ -121,22 +216,75 @@ class EngineTrainerMixin:
             padding_free=args.padding_free if isinstance(args, RolloutArguments) else None,
             shared_prefix=getattr(args, "shared_prefix", None), **kwargs)
 
-    # ------------------------------------------------------------------ the Trainer's model and optimizer
+    # ------------------------------------------------------------------ the Trainer's model, optimizer and step
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         # transformers.Trainer wraps (DDP / FSDP / DeepSpeed) what this returns unless it is already a
         # wrapper: the engine has laid the model out, so it is handed over as it is
         return self._engine_module
 
     def create_optimizer(self, model=None):
-        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        if self.actor.optimizer is None:
-            optimizer = self.actor.attach_optimizer(optimizer)
-            if self.backend.kind == "deepspeed":
-                # DeepSpeed's optimizer is stepped by the engine; accelerate must not re-wrap (and re-place)
-                # the no-op wrapper the Trainer steps: accelerate's own "already prepared" marker
-                optimizer._is_accelerate_prepared = True
-            self.optimizer = optimizer
+        """The actor engine builds its optimizer from the Trainer's arguments (:func:`optimizer_spec`); a user's
+        optimizer (`optimizers=(optimizer, scheduler)`) is adopted by the engine as it is."""
+        if not self.actor.has_optimizer:
+            if self.optimizer is not None and not isinstance(self.optimizer, EngineOptimizer):
+                spec = OptimizerSpec(optimizer=self.optimizer, max_grad_norm=self.args.max_grad_norm)
+            else:
+                spec = optimizer_spec(self, self.model)
+            self.actor.configure_optimizer(spec)
+        self.optimizer = EngineOptimizer(self.actor)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The actor engine's LR schedule (the user's, when given with `optimizers=`), stepped by the engine."""
+        if not isinstance(self.lr_scheduler, EngineSchedule):
+            if self.lr_scheduler is not None:
+                self.actor.configure_scheduler(scheduler=self.lr_scheduler)
+            else:
+                self.actor.configure_scheduler(scheduler_spec(self.args, num_training_steps))
+                self._created_lr_scheduler = True
+            self.lr_scheduler = EngineSchedule(self.actor)
+        return self.lr_scheduler
+
+    def _clip_grad_norm(self, model):
+        # the engine clips inside its optimizer_step (the global norm over every shard); the norm is filled in then
+        return self.optimizer.pending_norm()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return grad_norm if grad_norm is not None else self.optimizer.pending_norm()
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """The Trainer's accumulation window (the micro-batches of one optimizer step), kept for
+        :meth:`training_step`, which hands it to the engine whole."""
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._window, self._window_losses, self._window_pos = list(batch_samples), None, 0
+        return batch_samples, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The loss of one micro-batch of the window; the window's first call runs the whole window through the
+        engine (:meth:`_train_window`). A call outside a window (a direct call) is a window of its own."""
+        window = self._window
+        if window is None or self._window_pos >= len(window) or window[self._window_pos] is not inputs:
+            window, self._window, self._window_pos = [inputs], None, 0
+        if self._window_pos == 0:
+            self._window_losses = self._train_window(window)
+        loss = self._window_losses[self._window_pos]
+        self._window_pos += 1
+        if self._window is None:
+            self._window_losses = None
+        return loss
+
+    def _train_window(self, window: list) -> list[torch.Tensor]:
+        """Forward and backward of every micro-batch of `window` through the engines; returns each micro-batch's
+        loss as the Trainer logs it (divided by the accumulation steps)."""
+        raise NotImplementedError
+
+    def _window_losses_of(self, *results: StepResult) -> list[torch.Tensor]:
+        """Per micro-batch, the sum over the roles' step results, divided by the accumulation steps."""
+        scale = 1.0 / self.current_gradient_accumulation_steps
+        n = max(len(r.losses) for r in results)
+        device = self.args.device
+        return [sum((r.losses[i].to(device) for r in results if i < len(r.losses)),
+                    torch.zeros((), device=device)) * scale for i in range(n)]
 
     # ------------------------------------------------------------------ saving and resuming
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -160,25 +308,9 @@ class EngineTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.backend.shards:
             return super()._save_optimizer_and_scheduler(output_dir)
-        self.actor.save_state(output_dir)  # every rank its shard
-        if self.args.should_save and self.lr_scheduler is not None:
-            import torch
-
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+        self.actor.save_checkpoint(output_dir)  # every rank its shard, and the schedule
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None or not self.backend.shards:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        import torch
-
-        self.actor.load_state(checkpoint)
-        path = os.path.join(checkpoint, "scheduler.pt")
-        if self.lr_scheduler is not None and os.path.exists(path):
-            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
-
-    def _engine_grad_norm(self, logs: dict) -> None:
-        """DeepSpeed clips inside its own step, so the Trainer's `grad_norm` reads 0: report the engine's."""
-        if self.backend.kind == "deepspeed" and "grad_norm" in logs and self.actor.trainable:
-            norm = self.actor.clip_grad_norm(None)
-            if norm == norm:  # not NaN
-                logs["grad_norm"] = norm
+        self.actor.load_checkpoint(checkpoint)

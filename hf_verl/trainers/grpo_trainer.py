@@ -10,6 +10,7 @@ the round is used up; and the loss: PPO clip + k3 KL, aggregated per `loss_type`
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 
@@ -22,7 +23,8 @@ from hf_verl.algorithms.policy_losses import (
     high_entropy_mask,
     off_policy_sequence_mask,
 )
-from hf_verl.data.batch import RolloutBatch
+from hf_verl.data.batch import LossInputs, RolloutBatch
+from hf_verl.engine.step import LogProbs, PolicyOutput
 from hf_verl.engine.model_options import cast_lm_head_to_fp32, router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline import losses, phases
@@ -325,8 +327,7 @@ class GRPOTrainer(OnPolicyTrainer):
         t_ref = time.perf_counter()
         off_policy = args.use_vllm or args.use_async_rollout  # sampled by another engine or older weights
         for mb, entropy_count in zip(micro, self._micro_batch_normalizers(micro)):
-            mb.meta["loss_normalizer"] = normalizer
-            mb.meta["token_normalizer"] = entropy_count
+            mb.loss_inputs = LossInputs(loss_normalizer=normalizer, token_normalizer=entropy_count)
             if args.beta > 0:
                 mb.ref_logprobs = self._reference_logprobs(mb)
             if (self._policy_moves_within_round() or off_policy) and mb.old_logprobs is None:
@@ -366,51 +367,57 @@ class GRPOTrainer(OnPolicyTrainer):
             m[f"rewards/{name}/std"].append(col[~col.isnan()].std().item() if (~col.isnan()).sum() > 1 else 0.0)
 
     # ------------------------------------------------------------------ loss
-    def _policy_loss(self, batch: RolloutBatch, entropy_threshold=None):
-        """`(loss, stats, entropy, aux_loss)` of a micro-batch; `entropy_threshold(entropy)` gives the
-        top-entropy threshold (default: over every rank's tokens)."""
-        args = self.args
-        out = self._token_logprobs(batch, with_entropy=True, with_aux_loss=self.aux_loss_enabled)
-        logp, entropy = out[0], out[1]
-        threshold = (entropy_threshold or (lambda e: self._entropy_threshold(e, batch)))(entropy)
+    def _forward_request(self) -> LogProbs:
+        kw = self._logprob_kwargs()
+        return LogProbs(temperature=kw["temperature"], chunk_size=kw["chunk_size"], with_entropy=True,
+                        with_aux_loss=self.aux_loss_enabled)
+
+    def _policy_loss(self, out: PolicyOutput, batch: RolloutBatch, *, observe: bool = False):
+        """`(loss, metrics)` of one micro-batch from the actor's forward `out` (no collective: the entropy
+        threshold and normalisers come with `batch.loss_inputs`)."""
+        args, inputs = self.args, batch.loss_inputs
         control = self.entropy_control
         loss, stats = losses.policy_loss(
-            logp, batch, loss=self._loss_form, params=self._loss_params, loss_type=args.loss_type,
-            normalizer=batch.meta.get("loss_normalizer"), max_completion_length=args.max_completion_length,
-            kl_coef=args.beta, kl_estimator="k3", kl_bias_correction=args.use_bias_correction_kl, entropy=entropy,
-            entropy_coef=control.applied_coef() if control else 0.0,
-            entropy_normalizer=batch.meta.get("token_normalizer"), entropy_threshold=threshold,
-            off_policy_threshold=args.off_policy_mask_threshold)
-        if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * out[2]
-        return loss, stats, entropy, out[2] if self.aux_loss_enabled else None
-
-    def _micro_batch_losses(self, batch: RolloutBatch) -> list[tuple]:
-        args, m = self.args, self._metrics
-        loss, stats, entropy, aux_loss = self._policy_loss(batch)
-        control = self.entropy_control
+            out.logp, batch, loss=self._loss_form, params=self._loss_params, loss_type=args.loss_type,
+            normalizer=inputs.loss_normalizer, max_completion_length=args.max_completion_length,
+            kl_coef=args.beta, kl_estimator="k3", kl_bias_correction=args.use_bias_correction_kl, entropy=out.entropy,
+            entropy_coef=control.applied_coef() if control else 0.0, entropy_normalizer=inputs.token_normalizer,
+            entropy_threshold=inputs.entropy_threshold, off_policy_threshold=args.off_policy_mask_threshold)
+        metrics = {"entropy": stats["entropy"]}
         if args.beta > 0:
-            m["kl"].append(stats["kl"].item())
-        m["entropy"].append(stats["entropy"].item())
+            metrics["kl"] = stats["kl"]
         if self._loss_form in ("clip", "gspo"):
             for name in ("low", "high", "region"):
-                m[f"clip_ratio/{name}_mean"].append(stats[f"clip_{name}"].item())
+                metrics[f"clip_ratio/{name}_mean"] = stats[f"clip_{name}"]
         elif self._loss_form == "cispo":
-            m["cispo_clip_ratio"].append(stats["cispo_clip"].item())
+            metrics["cispo_clip_ratio"] = stats["cispo_clip"]
         elif self._loss_form == "vespo":
-            m["vespo/phi_seq_mean"].append(stats["vespo_phi"].item())
+            metrics["vespo/phi_seq_mean"] = stats["vespo_phi"]
         if control is not None:
-            m["policy_loss"].append(stats["policy"].item())
-            control.observe(entropy.detach(), batch.completion_mask, self.dims)
-        if aux_loss is not None:
-            m["aux_loss"].append(aux_loss.item())
-        return [(self.actor, loss)]
+            metrics["policy_loss"] = stats["policy"]
+            if observe:
+                control.observe(out.entropy.detach(), batch.completion_mask, self.dims)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss
+            metrics["aux_loss"] = out.aux_loss.detach()
+        return loss, metrics
+
+    def _engine_windows(self, micro_batches: list[RolloutBatch], loss_scale: float | None) -> list:
+        training = loss_scale is not None
+        if training:
+            self._set_entropy_thresholds(micro_batches, self._forward_request())
+        result = self.actor.forward_backward(
+            micro_batches, lambda out, mb: self._policy_loss(out, mb, observe=training),
+            forward=self._forward_request(), forward_only=not training, loss_scale=loss_scale or 1.0)
+        self._take_step_metrics(result)
+        return [result]
 
     @torch.no_grad()
     def _eval_loss(self, batch: RolloutBatch, rewards_per_func: torch.Tensor, group_size: int) -> float:
         """The GRPO loss on an evaluation batch at the current policy (TRL's `eval_loss`): advantages normalised
         within each of its groups (GDPO's per reward with `normalize_then_sum`), the KL to the reference when
-        beta > 0, the batch's own token count as the normaliser; nothing is gathered across ranks."""
+        beta > 0, the batch's own token count as the normaliser and its own entropy threshold; nothing is
+        gathered across ranks."""
         args = self.args
         per_func = rewards_per_func.to(batch.device)
         if args.mask_truncated_completions:
@@ -422,9 +429,12 @@ class GRPOTrainer(OnPolicyTrainer):
                                                   args.scale_rewards)
         if args.beta > 0:
             batch.ref_logprobs = self._reference_logprobs(batch)
+        out = self.actor.infer(batch, self._forward_request())
         q = args.top_entropy_quantile
-        local_threshold = (lambda e: None if q >= 1.0 else entropy_quantile(e[batch.completion_mask.bool()], 1.0 - q))
-        loss, *_ = self._policy_loss(batch, entropy_threshold=local_threshold)
+        if q < 1.0:
+            threshold = entropy_quantile(out.entropy[batch.completion_mask.bool()], 1.0 - q)
+            batch.loss_inputs = dataclasses.replace(batch.loss_inputs, entropy_threshold=threshold)
+        loss, _ = self._policy_loss(out, batch)
         return loss.item()
 
     def _optimizer_step_done(self) -> None:

@@ -38,6 +38,7 @@ from hf_verl.data.prompts import (
 )
 from hf_verl.data.samplers import RepeatGroupSampler
 from hf_verl.engine.precision import amp_dtype
+from hf_verl.engine.step import LogProbs, StepResult
 from hf_verl.parallel import comm
 from hf_verl.pipeline import generation, phases
 from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
@@ -133,7 +134,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                                  "the column(s) (dataset.remove_columns) or use a text-only dataset.")
         self.reward_funcs = resolve_reward_sources(reward_funcs, reward_processing_classes)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
-        backend, dims = launch_layout(args.world_size, args.sequence_parallel_size)
+        layout = launch_layout(args.world_size, args.sequence_parallel_size)
+        backend = layout.backend
         if ref_model is None and need_reference and not is_peft:
             ref_model = frozen_copy(model)  # PEFT: the base model with adapters disabled is the reference
         self.ref_model = ref_model
@@ -147,13 +149,13 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         device = self.args.device
         if self.ref_model is not None:
             self.ref_model = self.ref_model.to(device)
-        self._init_engines(backend, dims)
+        self._init_engines(layout)
         self.reference = None if self.ref_model is None else self._make_engine(self.ref_model, "reference",
                                                                                trainable=False)
         place_reward_models(self.reward_funcs, self.backend,
                             lambda m: self._make_engine(m.to(device), "reward", trainable=False),
                             async_rollout=getattr(args, "use_async_rollout", False))
-        engine_model = self.actor.model if replica is None else replica.to(device)
+        engine_model = self.actor.rollout_model() if replica is None else replica.to(device)
         self.engine: RolloutEngine = TransformersEngine(
             engine_model, processing_class, cache_implementation=getattr(args, "cache_implementation", None),
             generate_kwargs=split_generation_kwargs(getattr(args, "generation_kwargs", None))[1],
@@ -200,7 +202,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         if args.vllm_mode == "colocate":
             from hf_verl.rollout.vllm_engine import VLLMEngine
 
-            policy = self.actor.model
+            policy = self.engine.model  # the actor's own model, or its replica when the actor is sharded
             length = colocate_max_model_len(args, policy.config, self._max_new_tokens())
             if args.max_prompt_length is None or args.max_prompt_length + self._max_new_tokens() > length:
                 self._prompt_limit = length - self._max_new_tokens()  # prompts must leave room in the engine
@@ -521,15 +523,25 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
     def _old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         return phases.policy_logprobs(self.actor, batch, **self._logprob_kwargs())
 
-    def _token_logprobs(self, batch: RolloutBatch, with_entropy: bool = False, with_aux_loss: bool = False):
-        """The actor's log-probs of the completion tokens (with gradient), from its engine (see
-        :meth:`TrainingEngine.logprobs`)."""
-        kw = self._logprob_kwargs()
-        return self.actor.logprobs(batch, temperature=kw["temperature"], chunk_size=kw["chunk_size"],
-                                   with_entropy=with_entropy, with_aux_loss=with_aux_loss)
+    def _set_entropy_thresholds(self, micro_batches: list[RolloutBatch], request: LogProbs) -> None:
+        """TRL's `top_entropy_quantile`: each micro-batch's entropy threshold over every rank's tokens, from a
+        forward-only pass before the step (the step's loss function runs no collective); into its
+        `loss_inputs`."""
+        if self.args.top_entropy_quantile >= 1.0:
+            return
+        request = dataclasses.replace(request, with_entropy=True, with_aux_loss=False)
+        result = self.actor.forward_backward(micro_batches, lambda out, mb: (out.logp.new_zeros(()), {}),
+                                             forward=request, forward_only=True, keep_outputs=True)
+        for mb, out in zip(micro_batches, result.outputs):
+            threshold = phases.entropy_threshold(self.dims, out.entropy, mb.completion_mask,
+                                                 self.args.top_entropy_quantile)
+            mb.loss_inputs = dataclasses.replace(mb.loss_inputs, entropy_threshold=threshold)
 
-    def _entropy_threshold(self, entropy: torch.Tensor, batch: RolloutBatch) -> float | None:
-        return phases.entropy_threshold(self.dims, entropy, batch.completion_mask, self.args.top_entropy_quantile)
+    def _take_step_metrics(self, result: StepResult, prefix: str = "") -> None:
+        """The loss function's metrics of every micro-batch of a step, into the next log."""
+        for metrics in result.metrics:
+            for name, value in metrics.items():
+                self._metrics[prefix + name].append(value)
 
     def _micro_batch_normalizers(self, micro: list[RolloutBatch]) -> list[float]:
         """Per micro-batch: completion tokens of the same micro-batch on every data-parallel rank, divided
@@ -674,7 +686,10 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             self._prefetcher.close()  # a prefetch still running finishes; its result is dropped
             self._pending = None
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def _train_window(self, window: list) -> list[torch.Tensor]:
+        """One optimizer step's micro-batches: each micro-step's batch from the round buffer (a new round is rolled
+        out where one starts), then every trained role's whole window through its engine
+        (:meth:`_engine_windows`)."""
         args = self.args
         if self._micro_step is None:  # fresh start or resume: position within the rounds
             self._micro_step = self.state.global_step * args.gradient_accumulation_steps
@@ -682,25 +697,26 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                 # one seed on every rank would draw identical samples for a group split across ranks
                 torch.manual_seed(args.seed + 7919 * self.dims.dp_rank)
         per_round = args.steps_per_generation * args.num_iterations
-        if self._buffer is None or self._micro_step % per_round == 0:
-            self._buffer = self._rollout_round_or_checkpoint(inputs)
-        batch = self._buffer[self._micro_step % args.steps_per_generation]
-        self._micro_step += 1
-        step_ends = self._micro_step % args.gradient_accumulation_steps == 0
+        micro_batches = []
+        for rows in window:
+            if self._buffer is None or self._micro_step % per_round == 0:
+                self._buffer = self._rollout_round_or_checkpoint(rows)
+            micro_batches.append(self._buffer[self._micro_step % args.steps_per_generation])
+            self._micro_step += 1
         t0 = time.perf_counter()
         for engine in self._trained_engines():
             engine.train()
-        scale = 1.0 / self.current_gradient_accumulation_steps
-        total = torch.zeros((), device=batch.device)
         with self.compute_loss_context_manager():
-            parts = self._micro_batch_losses(batch)
-        for engine, loss in parts:  # each role's graph back through its own engine
-            engine.backward(loss * scale)
-            total = total + loss.detach()
+            results = self._engine_windows(micro_batches, 1.0 / self.current_gradient_accumulation_steps)
         self._metrics["timing_s/update"].append(time.perf_counter() - t0)
-        if step_ends:
+        if self._micro_step % args.gradient_accumulation_steps == 0:
             self._optimizer_step_done()
-        return total * scale
+        return self._window_losses_of(*results)
+
+    def _engine_windows(self, micro_batches: list[RolloutBatch], loss_scale: float) -> list:
+        """Each trained role's `engine.forward_backward` over the window; returns their
+        :class:`~hf_verl.engine.step.StepResult` (an algorithm subclass provides it)."""
+        raise NotImplementedError
 
     def _optimizer_step_done(self) -> None:
         """Called after the last micro-batch of an optimizer step (before the step itself)."""
@@ -708,13 +724,11 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
     def _trained_engines(self) -> list:
         return [self.actor]
 
-    def _micro_batch_losses(self, batch: RolloutBatch) -> list[tuple]:
-        """`[(engine, loss), ...]` of one micro-batch; the Trainer's `compute_loss` is their sum."""
-        raise NotImplementedError
-
     def compute_loss(self, model, inputs: RolloutBatch, return_outputs=False, num_items_in_batch=None):
-        """The micro-batch's total loss (the sum over the trained roles)."""
-        loss = sum(part for _, part in self._micro_batch_losses(inputs))
+        """The micro-batch's total loss over the trained roles, without a backward (a forward-only step)."""
+        with torch.no_grad():
+            results = self._engine_windows([inputs], None)
+        loss = sum(r.losses[0] for r in results if r.losses)
         return (loss, None) if return_outputs else loss
 
     def _rollout_round_or_checkpoint(self, rows: list[dict]) -> list[RolloutBatch]:
@@ -741,7 +755,6 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         if keys:  # every rank collects the same keys in the same order, so one reduce suffices
             values = comm.reduce(self.dims, values, "mean")
         logs.update(zip(keys, values.tolist()))
-        self._engine_grad_norm(logs)
         self._metrics.clear()
         self.completion_log.flush(self.state.global_step, self.args.output_dir, self.is_world_process_zero())
         super().log(logs, start_time)

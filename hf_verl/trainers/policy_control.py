@@ -85,16 +85,6 @@ class EntropyController:
                 self.load_state_dict(json.load(f))
 
 
-@torch.no_grad()
-def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
-    """`ref <- (1 - alpha) ref + alpha policy`, parameter by parameter (the two models have one layout)."""
-    ref_params, pol_params = list(reference.parameters()), list(policy.parameters())
-    if len(ref_params) != len(pol_params):
-        raise ValueError(f"reference has {len(ref_params)} parameters but the policy {len(pol_params)}: cannot mix.")
-    for r, p in zip(ref_params, pol_params):
-        r.lerp_(p.detach().to(r.dtype), alpha)
-
-
 class ReferenceMixCallback(TrainerCallback):
     """Mix the policy into a trainer's reference engine every `ref_model_sync_steps` optimizer steps."""
 
@@ -108,4 +98,4 @@ class ReferenceMixCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.ref_model_sync_steps == 0:
-            mix_into_reference(self.trainer.reference.model, self.trainer.actor.model, args.ref_model_mixup_alpha)
+            self.trainer.reference.mix_weights_from(self.trainer.actor, args.ref_model_mixup_alpha)

@@ -32,13 +32,14 @@ from hf_verl.algorithms.estimators import (
 )
 from hf_verl.algorithms.kl import kl_penalty
 from hf_verl.algorithms.policy_loss import masked_mean
-from hf_verl.data.batch import RolloutBatch
+from hf_verl.data.batch import LossInputs, RolloutBatch
+from hf_verl.engine.step import LogProbs, PolicyOutput, Values
 from hf_verl.parallel import comm
 from hf_verl.pipeline import losses, phases
 from hf_verl.rewards.callables import combine_rewards
 from hf_verl.trainers.critic import (
     CriticStepCallback,
-    attach_critic_optimizer,
+    critic_optimizer_spec,
     load_critic,
     load_value_model,
     save_critic,
@@ -128,7 +129,7 @@ class PPOTrainer(OnPolicyTrainer):
                                  "miss its accumulation steps): set critic_warmup_steps=0 or use DDP / FSDP2.")
             self.critic = self._make_engine(value_model.to(self.args.device), "critic", trainable=True,
                                             pad_token_id=processing_class.pad_token_id)
-            self.add_callback(CriticStepCallback(self.critic, args.max_grad_norm))
+            self.add_callback(CriticStepCallback(self.critic))
         self._configure_stop(args, processing_class)
         self._episodes = 0
         self._sample_every = None
@@ -159,8 +160,8 @@ class PPOTrainer(OnPolicyTrainer):
     # ------------------------------------------------------------------ optimizers and checkpoints
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if self.critic is not None and self.critic.optimizer is None:
-            attach_critic_optimizer(self.critic, self.args, num_training_steps)
+        if self.critic is not None and not self.critic.has_optimizer:
+            self.critic.configure_optimizer(critic_optimizer_spec(self.args, num_training_steps))
         return scheduler
 
     def _trained_engines(self) -> list:
@@ -223,7 +224,7 @@ class PPOTrainer(OnPolicyTrainer):
             self.kl_ctl.update(mean_kl, args.batch_size)
         micro = self._split_round(batch)
         for mb, normalizer in zip(micro, self._micro_batch_normalizers(micro)):
-            mb.meta["loss_normalizer"] = normalizer
+            mb.loss_inputs = LossInputs(loss_normalizer=normalizer)
             if args.use_async_rollout or args.use_vllm:  # behaviour policy != trainer: log the gap, correct it
                 stats = phases.attach_importance_weights(
                     mb, mode=args.vllm_importance_sampling_mode, clip_min=args.vllm_importance_sampling_clip_min,
@@ -257,33 +258,45 @@ class PPOTrainer(OnPolicyTrainer):
                         batch.meta["prompts"][0], batch.meta["completions"][0], scores[0].item())
 
     # ------------------------------------------------------------------ loss
-    def _micro_batch_losses(self, batch: RolloutBatch) -> list[tuple]:
-        args, m = self.args, self._metrics
-        normalizer = batch.meta.get("loss_normalizer")
-        parts = []
-        warming_up = self.critic is not None and self.state.global_step < args.critic_warmup_steps
+    def _policy_loss(self, out: PolicyOutput, batch: RolloutBatch):
+        """`(loss, metrics)` of one micro-batch from the actor's forward (no collective: normaliser and entropy
+        threshold come with `batch.loss_inputs`)."""
+        args, inputs = self.args, batch.loss_inputs
+        use_kl = args.use_kl_loss and batch.ref_logprobs is not None
+        loss, st = losses.policy_loss(
+            out.logp, batch, loss=args.resolved_policy_loss(), params=args.policy_loss_params(),
+            loss_type=args.loss_agg_mode, normalizer=inputs.loss_normalizer, max_completion_length=args.response_length,
+            kl_coef=self.kl_ctl.value if use_kl else 0.0, kl_estimator="k3",
+            kl_bias_correction=args.use_bias_correction_kl, entropy=out.entropy, entropy_coef=args.entropy_coef,
+            entropy_normalizer=inputs.loss_normalizer, off_policy_threshold=args.off_policy_mask_threshold,
+            entropy_threshold=inputs.entropy_threshold)
+        metrics = {"loss/policy_avg": st["policy"], "policy/approxkl_avg": st["approx_kl"],
+                   "policy/clipfrac_avg": st["clip_region"], "policy/entropy_avg": st["entropy"], "val/ratio": st["ratio"]}
+        if use_kl:
+            metrics["loss/kl_avg"] = st["kl"]
+        return loss, metrics
+
+    def _value_loss(self, values: torch.Tensor, batch: RolloutBatch):
+        """`(vf_coef x clipped value loss, metrics)` of one micro-batch from the critic's forward."""
+        args = self.args
+        vloss, st = losses.value_loss(values, batch, clip=args.cliprange_value,
+                                      normalizer=batch.loss_inputs.loss_normalizer)
+        return args.vf_coef * vloss, {"loss/value_avg": st["value"], "val/clipfrac_avg": st["clip_frac"]}
+
+    def _engine_windows(self, micro_batches: list[RolloutBatch], loss_scale: float | None) -> list:
+        """The actor's window (unless the critic is still warming up) and the critic's, each through its engine."""
+        training = loss_scale is not None
+        step = dict(forward_only=not training, loss_scale=loss_scale or 1.0)
+        results = []
+        warming_up = self.critic is not None and self.state.global_step < self.args.critic_warmup_steps
         if not warming_up:
-            logp, entropy = self._token_logprobs(batch, with_entropy=True)
-            use_kl = args.use_kl_loss and batch.ref_logprobs is not None
-            loss, st = losses.policy_loss(
-                logp, batch, loss=args.resolved_policy_loss(), params=args.policy_loss_params(),
-                loss_type=args.loss_agg_mode, normalizer=normalizer, max_completion_length=args.response_length,
-                kl_coef=self.kl_ctl.value if use_kl else 0.0, kl_estimator="k3",
-                kl_bias_correction=args.use_bias_correction_kl, entropy=entropy, entropy_coef=args.entropy_coef,
-                entropy_normalizer=normalizer, off_policy_threshold=args.off_policy_mask_threshold,
-                entropy_threshold=self._entropy_threshold(entropy, batch))
-            parts.append((self.actor, loss))
-            m["loss/policy_avg"].append(st["policy"].item())
-            if use_kl:
-                m["loss/kl_avg"].append(st["kl"].item())
-            m["policy/approxkl_avg"].append(st["approx_kl"].item())
-            m["policy/clipfrac_avg"].append(st["clip_region"].item())
-            m["policy/entropy_avg"].append(st["entropy"].item())
-            m["val/ratio"].append(st["ratio"].item())
+            kw = self._logprob_kwargs()
+            request = LogProbs(temperature=kw["temperature"], chunk_size=kw["chunk_size"], with_entropy=True)
+            if training:
+                self._set_entropy_thresholds(micro_batches, request)
+            results.append(self.actor.forward_backward(micro_batches, self._policy_loss, forward=request, **step))
         if self.critic is not None:
-            vloss, st = losses.value_loss(self.critic.values(batch), batch, clip=args.cliprange_value,
-                                          normalizer=normalizer)
-            parts.append((self.critic, args.vf_coef * vloss))
-            m["loss/value_avg"].append(st["value"].item())
-            m["val/clipfrac_avg"].append(st["clip_frac"].item())
-        return parts
+            results.append(self.critic.forward_backward(micro_batches, self._value_loss, forward=Values(), **step))
+        for result in results:
+            self._take_step_metrics(result)
+        return results

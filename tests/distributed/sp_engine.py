@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.accelerate_engine import AccelerateEngine
+from hf_verl.engine.step import LogProbs, OptimizerSpec, Values
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.comm import leave_together
 from hf_verl.parallel.dims import ParallelDims
@@ -35,30 +36,34 @@ def rollout() -> RolloutBatch:
 def engines(actor_model, critic_model, dims, backend, accelerator=None):
     actor = AccelerateEngine(actor_model, role="actor", dims=dims, backend=backend, accelerator=accelerator)
     critic = AccelerateEngine(critic_model, role="critic", dims=dims, backend=backend, accelerator=accelerator)
-    actor.attach_optimizer(torch.optim.SGD(actor.module.parameters(), lr=0.5))
-    critic.attach_optimizer(torch.optim.SGD(critic.module.parameters(), lr=0.5))
+    actor.configure_optimizer(OptimizerSpec(torch.optim.SGD, {"lr": 0.5}, max_grad_norm=1.0))
+    critic.configure_optimizer(OptimizerSpec(torch.optim.SGD, {"lr": 0.5}, max_grad_norm=1.0))
     return actor, critic
 
 
 def run(actor, critic, batch, steps=2):
-    """Two steps; the loss's policy part backpropagates through the actor engine, its value part through the
-    critic's (each engine scales its own backward)."""
+    """Two steps; the loss's policy part runs through the actor engine's forward_backward, its value part through
+    the critic's (each engine scales its own backward)."""
     rec = {"losses": [], "logp": [], "entropy": [], "values": [], "actor_norms": [], "critic_norms": []}
     mask = batch.completion_mask.float()
     returns = torch.linspace(-1, 1, mask.numel()).reshape(mask.shape)
     for _ in range(steps):
-        logp, entropy = actor.logprobs(batch, with_entropy=True)
-        values = critic.values(batch)
-        policy = -(logp * batch.advantages[:, None] * mask).sum() / mask.sum() - 0.01 * (entropy * mask).sum() / mask.sum()
-        value = 0.5 * (((values - returns) * mask) ** 2).sum() / mask.sum()
-        actor.backward(policy)
-        critic.backward(value)
-        rec["losses"].append([policy.item(), value.item()])
-        rec["logp"].append(logp.detach())
-        rec["entropy"].append(entropy.detach())
-        rec["values"].append(values.detach())
-        rec["actor_norms"].append(actor.step(1.0))
-        rec["critic_norms"].append(critic.step(1.0))
+        def policy_loss(out, mb):
+            loss = -(out.logp * mb.advantages[:, None] * mask).sum() / mask.sum() \
+                - 0.01 * (out.entropy * mask).sum() / mask.sum()
+            return loss, {}
+
+        def value_loss(values, mb):
+            return 0.5 * (((values - returns) * mask) ** 2).sum() / mask.sum(), {}
+
+        pol = actor.forward_backward([batch], policy_loss, forward=LogProbs(with_entropy=True), keep_outputs=True)
+        val = critic.forward_backward([batch], value_loss, forward=Values(), keep_outputs=True)
+        rec["losses"].append([pol.losses[0].item(), val.losses[0].item()])
+        rec["logp"].append(pol.outputs[0].logp)
+        rec["entropy"].append(pol.outputs[0].entropy)
+        rec["values"].append(val.outputs[0])
+        rec["actor_norms"].append(actor.optimizer_step())
+        rec["critic_norms"].append(critic.optimizer_step())
     from torch.distributed.tensor import DTensor
 
     rec["layout"] = [type(actor.module).__name__, any(isinstance(p, DTensor) for p in actor.module.parameters())]

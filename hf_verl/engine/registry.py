@@ -1,0 +1,115 @@
+"""Per-role layouts and the engine registry: how each model role (actor, critic, reference, reward) is laid out,
+and which training-engine implementation runs that layout.
+
+A :class:`RoleLayout` is one role's placement: the backend (`BackendSpec`: plain, DDP, FSDP2, ZeRO), its
+:class:`~hf_verl.parallel.dims.ParallelDims` (dp, sp, tp, pp), and whether it is colocated with the actor.
+:func:`launch_role_layout` gives the default every role starts from (the launch's backend and the processes it
+started); a role may be given another (a critic on FSDP2 beside a DDP actor, a Megatron actor once that engine
+is registered). :func:`make_engine` picks the engine class from :data:`ENGINES` by the layout's `engine`
+name, so that callers never import an implementation: adding a backend is one :func:`register_engine` call
+(see docs/adding_an_engine.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hf_verl.engine.base import TrainingEngine
+from hf_verl.parallel.backend import BackendSpec, resolve_backend
+from hf_verl.parallel.dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor", "critic", "reference", "reward")
+
+# engine name -> factory(model, *, role, layout, **options) -> TrainingEngine
+ENGINES: dict[str, Callable[..., TrainingEngine]] = {}
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """Where and how one role runs.
+
+    Args:
+        backend ([`BackendSpec`]): plain, DDP, FSDP2 or DeepSpeed ZeRO.
+        dims ([`ParallelDims`]): the role's mesh (dp, sp, tp, pp); its `world_size` is the processes it spans.
+        engine (`str`): the registered engine that runs it (default "accelerate", which serves the four
+            backends above).
+        colocated (`bool`): whether it shares the actor's processes and devices (the default for every role).
+    """
+
+    backend: BackendSpec
+    dims: ParallelDims
+    engine: str = "accelerate"
+    colocated: bool = True
+
+    @property
+    def label(self) -> str:
+        """One line: engine, backend and the axes larger than 1, e.g. `accelerate fsdp2 dp_shard=2 sp=2`."""
+        axes = " ".join(f"{a}={getattr(self.dims, a)}" for a in self.dims.enabled) or "one process"
+        return f"{self.engine} {self.backend.label} {axes}"
+
+    def with_backend(self, backend: BackendSpec) -> RoleLayout:
+        """The same processes on another backend (the data-parallel axis becomes sharded or replicated)."""
+        dims = ParallelDims.data_parallel(self.dims.world_size, self.dims.rank, shard=backend.shards,
+                                          device_type=self.dims.device_type, tp=self.dims.tp, pp=self.dims.pp,
+                                          sp=self.dims.sp)
+        return replace(self, backend=backend, dims=dims)
+
+
+def launch_role_layout(num_processes: int, *, sequence_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                       pipeline_parallel_size: int = 1) -> RoleLayout:
+    """The launch's default layout: its backend (checked against the machine) and the `ParallelDims` of the
+    processes it started, with the model-parallel axes given (the processes left are data-parallel ranks)."""
+    import torch.distributed as dist
+
+    from hf_verl.parallel.dims import _world_and_rank
+
+    world, _ = _world_and_rank()
+    ready = dist.is_available() and dist.is_initialized()
+    backend = resolve_backend(world, ready and num_processes == world)
+    if (tensor_parallel_size > 1 or pipeline_parallel_size > 1) and "megatron" not in ENGINES:
+        raise ValueError(f"tensor_model_parallel_size={tensor_parallel_size} / pipeline_model_parallel_size="
+                         f"{pipeline_parallel_size} need the Megatron engine, which is not available in this "
+                         "installation; set both to 1 (data, FSDP2, ZeRO and sequence parallelism run without it).")
+    dims = ParallelDims.from_environment(shard=backend.shards, sp=sequence_parallel_size, tp=tensor_parallel_size,
+                                         pp=pipeline_parallel_size)
+    return RoleLayout(backend=backend, dims=dims)
+
+
+def register_engine(name: str, factory: Callable[..., TrainingEngine]) -> None:
+    """Make `factory(model, *, role, layout, **options)` the engine for layouts whose `engine` is `name`."""
+    ENGINES[name] = factory
+
+
+def make_engine(model: Any, role: str, layout: RoleLayout, **options: Any) -> TrainingEngine:
+    """The training engine of `role` over `model` on `layout`, from the registry.
+
+    Args:
+        model: the role's model (a transformers model or a `PeftModel`), unsharded, on its device.
+        role (`str`): one of :data:`ROLES`.
+        layout ([`RoleLayout`]): where it runs.
+        options: the engine's own options (`trainable`, `accelerator`, `bf16`, `gradient_checkpointing`, ...).
+
+    Raises:
+        ValueError: an unknown role or an engine name nothing registered.
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles are {ROLES}.")
+    factory = ENGINES.get(layout.engine)
+    if factory is None:
+        raise ValueError(f"no engine named {layout.engine!r} for the {role} (registered: {sorted(ENGINES)}); "
+                         "install the backend that provides it or choose one of those.")
+    return factory(model, role=role, layout=layout, **options)
+
+
+def _accelerate_engine(model: Any, *, role: str, layout: RoleLayout, **options: Any) -> TrainingEngine:
+    from hf_verl.engine.accelerate_engine import AccelerateEngine
+
+    return AccelerateEngine(model, role=role, dims=layout.dims, backend=layout.backend, **options)
+
+
+register_engine("accelerate", _accelerate_engine)

@@ -1,0 +1,175 @@
+"""The training engine's step contract: what a caller hands an engine for one optimizer step, and gets back.
+
+An optimizer step is two calls on a :class:`~hf_verl.engine.base.TrainingEngine`:
+
+1. ``engine.forward_backward(micro_batches, loss_fn, forward=request)``: the engine runs the forward and
+   the backward of *every* micro-batch of the step, in whatever schedule its backend needs (a loop with
+   gradient sync on the last micro-batch for DDP / FSDP2 / ZeRO; a pipeline schedule for a pipelined
+   engine), and returns a :class:`StepResult`;
+2. ``engine.optimizer_step()``: the global gradient norm, clipping, the optimizer and the LR schedule,
+   all owned by the engine, which built them from an :class:`OptimizerSpec`.
+
+What each micro-batch's forward computes is a *request* (:class:`LogProbs`, :class:`Values`, or an
+algorithm's own object with a ``run(engine, micro_batch)`` method built on the engine's forward primitives),
+so that an engine can serve the requests it knows in its own way: a vocabulary-parallel engine answers
+:class:`LogProbs` without gathering the vocabulary, a pipelined one on its last stage only. The loss function
+sees one micro-batch's forward output and that micro-batch, and returns ``(loss, metrics)``; it must run no
+collective (a pipeline schedule cannot host one): every normaliser or threshold that spans ranks is computed
+before the step and carried on the micro-batch (:class:`~hf_verl.data.batch.LossInputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+# loss_fn(forward output, micro-batch) -> (loss scalar with graph, {metric name: float or 0-d tensor})
+LossFn = Callable[[Any, Any], "tuple[torch.Tensor, dict[str, Any]]"]
+
+
+class ForwardRequest(Protocol):
+    """What an engine computes for one micro-batch (see the module docstring)."""
+
+    def run(self, engine: Any, micro_batch: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class LogProbs:
+    """The policy's `(B, C)` log-probs of a rollout's completion tokens (:meth:`TrainingEngine.logprobs`).
+
+    The forward output is a :class:`PolicyOutput`.
+    """
+
+    temperature: float = 1.0
+    chunk_size: int = 1024
+    with_entropy: bool = False
+    with_aux_loss: bool = False
+
+    def run(self, engine: Any, micro_batch: Any) -> PolicyOutput:
+        out = engine.logprobs(micro_batch, temperature=self.temperature, chunk_size=self.chunk_size,
+                              with_entropy=self.with_entropy, with_aux_loss=self.with_aux_loss)
+        return PolicyOutput(logp=out[0], entropy=out[1], aux_loss=out[2] if self.with_aux_loss else None)
+
+
+@dataclass(frozen=True)
+class SamplingStatistics:
+    """`((B, C) log-probs, (B, C) sum_v pi_v^2)` of a rollout's completion tokens, no gradient
+    (:meth:`TrainingEngine.sampling_statistics`; the optimal-token-baseline estimators)."""
+
+    temperature: float = 1.0
+    chunk_size: int = 1024
+
+    def run(self, engine: Any, micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return engine.sampling_statistics(micro_batch, temperature=self.temperature, chunk_size=self.chunk_size)
+
+
+@dataclass(frozen=True)
+class Values:
+    """A critic's `(B, C)` values of the states before each completion token (:meth:`TrainingEngine.values`)."""
+
+    def run(self, engine: Any, micro_batch: Any) -> torch.Tensor:
+        return engine.values(micro_batch)
+
+
+@dataclass
+class PolicyOutput:
+    """The forward output of a :class:`LogProbs` request."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+@dataclass
+class StepResult:
+    """What :meth:`TrainingEngine.forward_backward` returns.
+
+    Attributes:
+        losses (`list[torch.Tensor]`): each micro-batch's loss, detached, as `loss_fn` returned it (before the
+            engine's `loss_scale`).
+        metrics (`list[dict]`): each micro-batch's metrics from `loss_fn`, values as floats.
+        outputs (`list`): each micro-batch's forward output, detached, with `keep_outputs=True` (else empty).
+        is_output_rank (`bool`): whether this rank computed the losses; on the others (the early stages of a
+            pipeline) the engine broadcast them from the last stage, so every rank reads the same values.
+    """
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    is_output_rank: bool = True
+
+    @property
+    def total_loss(self) -> torch.Tensor:
+        """The sum of the micro-batch losses (0 for an empty step)."""
+        return torch.stack(self.losses).sum() if self.losses else torch.zeros(())
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """An LR schedule by transformers' name (`transformers.get_scheduler`): `lr_scheduler_type`, warm-up and
+    total optimizer steps, and the schedule's own kwargs."""
+
+    name: str = "constant"
+    num_warmup_steps: int = 0
+    num_training_steps: int | None = None
+    kwargs: dict = field(default_factory=dict)
+
+    def build(self, optimizer: torch.optim.Optimizer):
+        from transformers import get_scheduler
+
+        return get_scheduler(self.name, optimizer, num_warmup_steps=self.num_warmup_steps,
+                             num_training_steps=self.num_training_steps, scheduler_specific_kwargs=self.kwargs or None)
+
+
+@dataclass
+class OptimizerSpec:
+    """How an engine builds its optimizer (it builds it over its own parameters, in its own layout).
+
+    Args:
+        optimizer_cls (`type`): the optimizer class (`torch.optim.AdamW`, or what transformers'
+            `Trainer.get_optimizer_cls_and_kwargs` picks for `TrainingArguments.optim`).
+        optimizer_kwargs (`dict`): its keyword arguments (`lr`, `betas`, `eps`, ...).
+        weight_decay (`float`): the decay of the decayed parameters.
+        decay_parameter_names (`set[str]`, *optional*): the parameter names that decay, the rest in a group
+            without decay (transformers' grouping); `None`: one group, every parameter decays.
+        max_grad_norm (`float`, *optional*): clip the global gradient norm to it in `optimizer_step` (`None` or
+            0: no clipping, the norm is still computed).
+        scheduler ([`SchedulerSpec`], *optional*): the LR schedule, stepped in `optimizer_step`.
+        optimizer (`torch.optim.Optimizer`, *optional*): an optimizer the user built (TRL's `optimizers=`),
+            adopted as it is; engines that must build their own (a distributed optimizer) refuse it.
+        lr_scheduler (*optional*): the user's schedule for that optimizer.
+    """
+
+    optimizer_cls: type | None = None
+    optimizer_kwargs: dict = field(default_factory=dict)
+    weight_decay: float = 0.0
+    decay_parameter_names: set[str] | frozenset[str] | None = None
+    max_grad_norm: float | None = None
+    scheduler: SchedulerSpec | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: Any = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer is None and self.optimizer_cls is None:
+            raise ValueError("OptimizerSpec needs optimizer_cls (with optimizer_kwargs) or a built optimizer.")
+
+    def param_groups(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> list[dict]:
+        """The trainable parameters in groups: transformers' decay / no-decay pair when
+        `decay_parameter_names` is given, else one group with `weight_decay`."""
+        trainable = [(n, p) for n, p in named_parameters if p.requires_grad]
+        if self.decay_parameter_names is None:
+            return [{"params": [p for _, p in trainable], "weight_decay": self.weight_decay}]
+        names = self.decay_parameter_names
+        return [{"params": [p for n, p in trainable if n in names], "weight_decay": self.weight_decay},
+                {"params": [p for n, p in trainable if n not in names], "weight_decay": 0.0}]
+
+    def build(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+        """The optimizer over `named_parameters` (the user's own one when given)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        kwargs = dict(self.optimizer_kwargs)
+        kwargs.pop("weight_decay", None)  # carried per group
+        return self.optimizer_cls(self.param_groups(named_parameters), **kwargs)
