@@ -75,7 +75,7 @@ def child(backend: str, size: str, mode: str, bucket_mib: int, out: str) -> None
     from hf_verl.pipeline.prefetch import frozen_copy
     from hf_verl.pipeline.sync import sync_weights
     from hf_verl.rollout.hf_engine import TransformersEngine
-    from hf_verl.rollout.weight_sync import plain_state_items
+    from hf_verl.parallel.weight_export import plain_state_items
     from tests.conftest import build_char_tokenizer
 
     if backend == "zero3":

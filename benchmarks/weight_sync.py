@@ -13,7 +13,7 @@ Llama-shaped models (fp32, CPU, untied LM head) of about 10M, 100M and 500M para
 
 Two paths:
 
-- ``bucketed``: the pairs of :func:`~hf_verl.rollout.weight_sync.iter_weight_buckets` (``--bucket-mib``,
+- ``bucketed``: the pairs of :func:`~hf_verl.parallel.weight_export.iter_weight_buckets` (``--bucket-mib``,
   256 MiB default) in one sync call: for the engines one ``sync_weights`` call, for the server one POST
   per bucket (staged, applied atomically at the last one);
 - ``per_param``: one call per tensor, the way TRL / OpenRLHF sync vLLM: for the Transformers engine one
@@ -131,7 +131,7 @@ def child(spec: dict) -> dict:
 
     from hf_verl.rollout.hf_engine import TransformersEngine
     from hf_verl.rollout.remote import RemoteEngine
-    from hf_verl.rollout.weight_sync import iter_weight_buckets
+    from hf_verl.parallel.weight_export import iter_weight_buckets
     from tests.conftest import build_char_tokenizer
 
     torch.set_num_threads(2)
@@ -249,7 +249,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from hf_verl.rollout.weight_sync import bucket_plan
+    from hf_verl.parallel.weight_export import bucket_plan
     from tests.conftest import build_char_tokenizer
 
     bucket_bytes = int(args.bucket_mib * MIB)

@@ -32,7 +32,9 @@ def make_trainer(tok=None, critic=False, **kwargs):
 
     tok = tok or build_char_tokenizer()
     # per-row seeds: each test's rollouts are the same on every run, whatever else drew random numbers
-    config = dict(group_size=4, max_new_tokens=4, actor_lr=1e-2, critic_lr=1e-2, seed=0, per_row_sampling_seed=True)
+    # synchronous unless a test asks (the facade's default is asynchronous rollout: tests/test_facade_async.py)
+    config = dict(group_size=4, max_new_tokens=4, actor_lr=1e-2, critic_lr=1e-2, seed=0, per_row_sampling_seed=True,
+                  use_async_rollout=False)
     config.update(kwargs.pop("config", {}))
     critic_model = None
     if critic:
@@ -156,7 +158,8 @@ def test_shared_knobs_have_the_trainers_names_and_defaults():
     # "auto" picks what each trainer fixes: GAE with a critic (PPOTrainer), GRPO without (GRPOTrainer)
     # kl_estimator: the facade's KL is GRPO's loss term (k3, as GRPOConfig fixes it); PPOConfig's is the
     # KL folded into the rewards (k1), another concept
-    facade_only = {"advantage_estimator", "kl_estimator"}
+    # use_async_rollout: the facade keeps the seed article's default (True); the TRL-style trainers keep TRL's
+    facade_only = {"advantage_estimator", "kl_estimator", "use_async_rollout"}
     shared = 0
     for name, field in FIELDS.items():
         source = grpo if name in grpo else ppo if name in ppo else None
@@ -418,3 +421,15 @@ def test_reward_functions_see_the_trace_id_and_debug_file_defaults_to_cwd(tmp_pa
     assert seen == [rollout.trace_id] and current_trace_id() is None
     rows = (tmp_path / "hf_verl_debug.jsonl").read_text().splitlines()
     assert rows and json.loads(rows[0])["trace_id"] == rollout.trace_id
+
+
+def test_facade_passes_every_sampling_field_of_the_trainers():
+    """min_p, repetition_penalty and stop (GRPOConfig's names) reach the rollout engine as the trainers pass them."""
+    trainer = make_trainer(config={"min_p": 0.05, "repetition_penalty": 1.3, "stop": ["zz"], "per_row_sampling_seed": False})
+    seen = []
+    generate = trainer.engine.generate
+    trainer.engine.generate = lambda ids, sampling, **kw: seen.append(sampling) or generate(ids, sampling, **kw)
+    trainer.rollout(PROMPTS)
+    assert (seen[0].min_p, seen[0].repetition_penalty, seen[0].stop) == (0.05, 1.3, ("zz",))
+    with pytest.raises((TypeError, ValueError), match="repetition_penalty"):
+        trainer.config.repetition_penalty = 0.0

@@ -357,8 +357,9 @@ def test_close_stops_the_worker_in_bounded_time():
 def test_async_settings_defaults_and_validation():
     from hf_verl.facade.config import TrainerConfig
 
-    cfg = TrainerConfig()  # the trainers' defaults: synchronous, sequence-level masking above a ratio of 3
-    assert (cfg.use_async_rollout, cfg.max_staleness, cfg.importance_sampling_correction) == (False, 1, True)
+    cfg = TrainerConfig()  # the seed's defaults: asynchronous, one step stale; the trainers' masking above a ratio of 3
+    assert (cfg.use_async_rollout, cfg.max_staleness, cfg.importance_sampling_correction) == (True, 1, True)
+    assert (cfg.rollout_batch_size, cfg.lam) == (16, 0.95)
     assert (cfg.importance_sampling_mode, cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max) == (
         "sequence_mask", None, 3.0)
     with pytest.raises(ValueError, match=r"max_staleness must be an int >= 0, got -1"):

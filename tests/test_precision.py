@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_verl.engine.precision import amp_dtype
+from hf_verl.parallel.precision import amp_dtype
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
 from hf_verl.rollout.base import SamplingParams

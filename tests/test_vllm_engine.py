@@ -61,7 +61,7 @@ def test_greedy_equals_hf_then_again_after_an_in_place_sync(engine_and_model):
 def test_lora_merged_sync_path(engine_and_model):
     from peft import LoraConfig, get_peft_model
 
-    from hf_verl.rollout.weight_sync import iter_weight_buckets
+    from hf_verl.parallel.weight_export import iter_weight_buckets
 
     engine, model, tok = engine_and_model
     peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

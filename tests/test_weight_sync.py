@@ -1,4 +1,4 @@
-"""Tests for :mod:`hf_verl.rollout.weight_sync`: names, values, bucket sizes, LoRA merge, zero copy."""
+"""Tests for :mod:`hf_verl.parallel.weight_export`: names, values, bucket sizes, LoRA merge, zero copy."""
 
 import copy
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_verl.rollout.weight_sync import bucket_plan, iter_weight_buckets, unwrap_model
+from hf_verl.parallel.weight_export import bucket_plan, iter_weight_buckets, unwrap_model
 
 
 def _tiny_llama(tie: bool) -> LlamaForCausalLM:
@@ -153,7 +153,7 @@ def test_peft_lora_wrapped_in_ddp_like_module():
 
 def test_debug_log(caplog):
     model = _tiny_llama(False)
-    with caplog.at_level("DEBUG", logger="hf_verl.rollout.weight_sync"):
+    with caplog.at_level("DEBUG", logger="hf_verl.parallel.weight_export"):
         n = len(list(iter_weight_buckets(model, bucket_bytes=10_000)))
     assert f"{n} buckets" in caplog.text
 

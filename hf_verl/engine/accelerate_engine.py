@@ -11,7 +11,7 @@ One class for the four layouts `accelerate launch` offers, chosen by the run's
 | deepspeed | `deepspeed.initialize` with the trainer's optimizer | ZeRO-3: a partitioned inference engine; ZeRO-1/2: a replica |
 
 On the plain and DDP layouts, which keep fp32 parameters, `bf16` / `fp16` run every forward (and
-the LM head) under `torch.autocast` (:mod:`hf_verl.engine.precision`); fp16, which needs loss scaling,
+the LM head) under `torch.autocast` (:mod:`hf_verl.parallel.precision`); fp16, which needs loss scaling,
 is refused there for a trained role.
 
 Every forward runs through :attr:`module` (so DDP's and ZeRO's hooks fire and FSDP2's root gathers
@@ -32,14 +32,14 @@ import torch
 
 from hf_verl.algorithms.logprobs import logprobs_from_head
 from hf_verl.engine.base import TokenStats, TrainingEngine, select_positions
-from hf_verl.engine.precision import amp_dtype, autocast
+from hf_verl.parallel.precision import amp_dtype, autocast
 from hf_verl.engine.step import OptimizerSpec, SchedulerSpec
 from hf_verl.parallel import deepspeed as ds
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
 from hf_verl.parallel.fsdp import apply_fsdp, release_root
 from hf_verl.parallel.ulysses import apply_sequence_parallel
-from hf_verl.rollout.weight_sync import iter_weight_buckets, plain_state_items
+from hf_verl.parallel.weight_export import iter_weight_buckets, plain_state_items
 
 logger = logging.getLogger(__name__)
 

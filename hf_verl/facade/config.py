@@ -86,6 +86,12 @@ FIELDS: dict[str, Field] = {
     "temperature": Field(1.0, (float,), _nonneg, "a finite float >= 0 (0 is greedy)", "Sampling temperature."),
     "top_p": Field(1.0, (float,), lambda v: 0.0 < v <= 1.0, "a float in (0, 1]", "Nucleus sampling mass."),
     "top_k": Field(0, (int,), lambda v: v >= 0, "an int >= 0 (0 disables it)", "Top-k sampling."),
+    "min_p": Field(None, (float, _NONE), lambda v: v is None or 0.0 <= v <= 1.0, "None or a float in [0, 1]",
+                   "Min-p sampling; None disables it (GRPOConfig's field)."),
+    "repetition_penalty": Field(1.0, (float,), lambda v: v > 0.0, "a float > 0",
+                                "Repetition penalty; 1.0 disables it (GRPOConfig's field)."),
+    "stop": Field(None, (list, _NONE), lambda v: v is None or all(isinstance(x, str) for x in v),
+                  "None or a list of strings", "Stop strings that end a completion (GRPOConfig's field)."),
     "max_tool_calling_iterations": Field(None, (int, _NONE), lambda v: v is None or v >= 0, "None or an int >= 0",
                                          "With tools: most tool-calling rounds per completion; None: no limit but "
                                          "max_completion_length, which bounds the whole multi-turn completion."),
@@ -153,9 +159,10 @@ FIELDS: dict[str, Field] = {
     "per_row_sampling_seed": Field(False, (bool,), lambda v: True, "True or False",
                                    "Sample each completion from its own stream seeded by (seed, rollout, row): "
                                    "rollouts then do not depend on how rows are batched or split over ranks."),
-    "use_async_rollout": Field(False, (bool,), lambda v: True, "True or False",
+    "use_async_rollout": Field(True, (bool,), lambda v: True, "True or False",
                                "Generate and score the next dataset rollout in a background thread while the "
-                               "current one trains (`rollout()` without a batch, and `rollouts(...)`)."),
+                               "current one trains (`rollout()` without a batch, and `rollouts(...)`); the seed "
+                               "article's key default. An explicit batch (`rollout(batch)`) is always synchronous."),
     "max_staleness": Field(1, (int,), lambda v: v >= 0, "an int >= 0",
                            "Most optimizer steps a rollout's weights may lag behind the actor when it is handed "
                            "out; 0 makes async rollout synchronous."),
@@ -192,7 +199,7 @@ class TrainerConfig:
     `temperature=1.0`, `advantage_estimator="auto"` (GAE with a critic, GRPO without), `gamma=1.0`,
     `lam=0.95`, `epsilon=0.2`, `cliprange_value=0.2`, `beta=0.0` (KL), `vf_coef=0.1`,
     `loss_type="dapo"`, `learning_rate=1e-6`, `critic_learning_rate=None` (= learning_rate),
-    `max_grad_norm=1.0`, `seed=42`, `use_async_rollout=False`, `max_staleness=1`,
+    `max_grad_norm=1.0`, `seed=42`, `use_async_rollout=True` (the seed's default), `max_staleness=1`,
     `vllm_importance_sampling_mode="sequence_mask"` with a cap of 3.0. The facade's earlier names
     (:data:`ALIASES`: `group_size`, `max_new_tokens`, `clip_range`, `kl_coef`, `actor_lr`, ...)
     read and write the same settings.

@@ -230,7 +230,8 @@ class AsyncRollout:
         cfg = t.config
         t0 = time.perf_counter()
         sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                  top_p=cfg.top_p, top_k=cfg.top_k)
+                                  top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                                  repetition_penalty=cfg.repetition_penalty, stop=tuple(cfg.stop or ()))
         device = model_device_dtype(t.model)[0]
         if t._tool_rollout is not None:  # multi-turn: the trainers' tool-calling path
             rows = [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]

@@ -23,7 +23,7 @@ import time
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.parallel import comm
 from hf_verl.rollout.base import RolloutEngine
-from hf_verl.rollout.weight_sync import DEFAULT_BUCKET_BYTES
+from hf_verl.parallel.weight_export import DEFAULT_BUCKET_BYTES
 
 
 def shares_actor_weights(engine: RolloutEngine, actor: TrainingEngine) -> bool:

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from hf_verl.engine.precision import autocast
+from hf_verl.parallel.precision import autocast
 from hf_verl.rollout.base import (
     FINISH_LENGTH,
     FINISH_STOP,

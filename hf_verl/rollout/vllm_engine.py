@@ -169,7 +169,7 @@ def write_model_dir(model, tokenizer, path: str) -> None:
     """
     from safetensors.torch import save_file
 
-    from hf_verl.rollout.weight_sync import iter_weight_buckets, unwrap_model
+    from hf_verl.parallel.weight_export import iter_weight_buckets, unwrap_model
 
     plain = unwrap_model(model)
     if hasattr(plain, "get_base_model"):  # PEFT: vLLM gets the base architecture under base names

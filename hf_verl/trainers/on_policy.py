@@ -37,7 +37,7 @@ from hf_verl.data.prompts import (
     tokenize_prompts,
 )
 from hf_verl.data.samplers import RepeatGroupSampler
-from hf_verl.engine.precision import amp_dtype
+from hf_verl.parallel.precision import amp_dtype
 from hf_verl.engine.step import LogProbs, StepResult
 from hf_verl.parallel import comm
 from hf_verl.pipeline import generation, phases

@@ -21,7 +21,7 @@ from datasets import Dataset
 from hf_verl.rollout.base import SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.rollout.vllm_engine import VLLMEngine
-from hf_verl.rollout.weight_sync import plain_state_items
+from hf_verl.parallel.weight_export import plain_state_items
 from hf_verl.trainers.grpo_trainer import GRPOTrainer
 from tests.conftest import build_char_tokenizer
 from tests.distributed.grpo_vllm import colocate_args, distinct_chars
