@@ -15,6 +15,8 @@ Usage:
                               [--json out.json] [--warmup] [--smoke]
 PPO cells (``p1``, ``p2``) compare this checkout with the hf_verl source tree named by ``--baseline`` (a
 ``git worktree add /tmp/base <commit>``): the baseline run imports hf_verl from there, its "TRL" column.
+With ``--vs-baseline`` every cell does (GRPO and DPO too): a before / after measurement of a change, e.g.
+``python benchmarks/matrix.py --algo all --vs-baseline --baseline /tmp/base --pairs 2``.
 ``--cells gpu-grpo,gpu-dpo`` runs the two GPU cells (a 0.5B Qwen2 shape, bf16, one CUDA device; peak memory
 is ``torch.cuda.max_memory_allocated``). ``--smoke`` runs every cell for 2 steps, once, without timing claims (a check that the cells build).
 Needs `pip install trl==1.16.0` (benchmark only).
@@ -126,6 +128,7 @@ def _text(rng, vocab, lo, hi):
 
 
 PADDING_FREE: list[bool | None] = [None]  # set from --padding-free
+VS_BASELINE: list[bool] = [False]  # set from --vs-baseline: the "trl" side is the --baseline hf_verl
 
 
 def distinct_words(completions, **kwargs):
@@ -149,7 +152,7 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
                   per_device_train_batch_size=cell.batch, gradient_checkpointing=False, bf16=gpu,
                   save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
     if cell.algo == "grpo":
-        if which == "hf_verl":
+        if which == "hf_verl" or VS_BASELINE[0]:  # the baseline side imports the baseline tree's hf_verl
             from hf_verl import GRPOConfig, GRPOTrainer
         else:
             from trl import GRPOConfig, GRPOTrainer
@@ -173,7 +176,7 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
                           train_dataset=Dataset.from_dict({"prompt": prompts}), value_model=critic, callbacks=callbacks)
     import copy
 
-    if which == "hf_verl":
+    if which == "hf_verl" or VS_BASELINE[0]:
         from hf_verl import DPOConfig, DPOTrainer
     else:
         from trl import DPOConfig, DPOTrainer
@@ -188,7 +191,7 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
 
 def child(cell: Cell, which: str, steps: int, baseline: str | None = None) -> None:
     """One timed run in this (fresh) process; prints one JSON line."""
-    if which == "trl" and cell.algo == "ppo":  # the baseline's hf_verl shadows this checkout's
+    if which == "trl" and (cell.algo == "ppo" or VS_BASELINE[0]):  # the baseline's hf_verl shadows this checkout's
         if not baseline:
             raise SystemExit("PPO cells compare against an earlier hf_verl: pass --baseline <source tree>.")
         sys.path.insert(0, str(Path(baseline).resolve()))
@@ -215,6 +218,8 @@ def spawn(cell: Cell, which: str, steps: int, baseline: str | None = None) -> di
     cmd = [sys.executable, __file__, "--child", which, "--cells", cell.name, "--steps", str(steps)]
     if baseline:
         cmd += ["--baseline", baseline]
+    if VS_BASELINE[0]:
+        cmd += ["--vs-baseline"]
     if PADDING_FREE[0] is not None:
         cmd += ["--padding-free", str(PADDING_FREE[0]).lower()]
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -252,11 +257,16 @@ def main() -> None:
     p.add_argument("--baseline", default=None, help="an earlier hf_verl source tree, the PPO cells' comparison")
     p.add_argument("--padding-free", choices=["auto", "true", "false"], default="auto",
                    help="this checkout's GRPO/PPO rollout packing (default: the trainers' own default, auto)")
+    p.add_argument("--vs-baseline", action="store_true",
+                   help="compare every cell (GRPO and DPO too) with the --baseline hf_verl tree instead of TRL")
     p.add_argument("--warmup", action="store_true", help="one untimed run of each side before a cell's pairs")
     p.add_argument("--smoke", action="store_true", help="2 steps per run, one pair: a build check, no figures")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     PADDING_FREE[0] = {"auto": None, "true": True, "false": False}[a.padding_free]
+    VS_BASELINE[0] = a.vs_baseline
+    if a.vs_baseline and not a.baseline:
+        raise SystemExit("--vs-baseline needs --baseline <an earlier hf_verl source tree>.")
     cells = [c for c in CELLS if a.algo == c.algo or (a.algo == "all" and (c.algo != "ppo" or a.baseline))]
     if a.cells:
         wanted = a.cells.split(",")
@@ -280,7 +290,7 @@ def main() -> None:
             Path(a.json).write_text(json.dumps(results, indent=1))
         print(f"{cell.name} {cell.algo} vocab={cell.vocab} h={cell.hidden} L={cell.layers} prompt={cell.prompt_words} "
               f"answer={cell.answer_words} G={cell.group} B={cell.batch}: hf_verl {r['hf_verl_sps']:.3f} steps/s, "
-              f"{'baseline' if cell.algo == 'ppo' else 'trl'} {r['trl_sps']:.3f}: speed x{r['speed_median']:.2f} "
+              f"{'baseline' if cell.algo == 'ppo' or VS_BASELINE[0] else 'trl'} {r['trl_sps']:.3f}: speed x{r['speed_median']:.2f} "
               f"(pairs {', '.join(f'{x:.2f}' for x in r['speed_ratios'])}), "
               f"peak {'GPU memory' if cell.device == 'cuda' else 'RSS'} x{r['memory_median']:.2f}",
               flush=True)
