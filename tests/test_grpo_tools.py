@@ -93,7 +93,7 @@ def test_grpo_trains_with_tools(tmp_path):
 
     # one rollout before training: tool calls happen, observations are attended but not selected
     rows = [trainer.train_dataset[i] for i in range(8)]
-    batch = trainer._collect(rows, trainer.engine)["batch"]
+    batch = trainer._collect(rows, trainer.engine).batch
     obs = _observations(batch)
     assert obs.any() and sum(batch.meta["tool_calls"]) > 0
     assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in seen[-1])
@@ -221,7 +221,7 @@ def test_rollout_func_contract(tmp_path):
     trainer = GRPOTrainer(model=_bigram_llama(tok), reward_funcs=longer, args=_args(tmp_path, max_steps=1),
                           train_dataset=_dataset(), processing_class=tok, rollout_func=rollout_func)
     rows = [trainer.train_dataset[i] for i in range(8)]
-    batch = trainer._collect(rows, trainer.engine)["batch"]
+    batch = trainer._collect(rows, trainer.engine).batch
     assert len(calls[-1]) == 8 and calls[-1][0] == rows[0]["prompt"]
     lengths = batch.completion_attention_mask.sum(1)
     assert torch.equal(batch.completion_mask.sum(1), lengths - 1)  # the last token of each row masked out

@@ -287,8 +287,8 @@ def test_reward_scoring_overlaps_generation_on_a_server(tmp_path, monkeypatch):
         calls.clear()
         plain = trainer._score(trainer._generate([tok(r["prompt"])["input_ids"] for r in rows],
                                                  [r["prompt"] for r in rows], trainer.engine), rows)
-        assert len(calls) == 1 and torch.equal(streamed["rewards_per_func"], plain)
-        assert streamed["batch"].meta["prompts"] == [r["prompt"] for r in rows]
+        assert len(calls) == 1 and torch.equal(streamed.rewards_per_func, plain)
+        assert streamed.batch.meta["prompts"] == [r["prompt"] for r in rows]
     finally:
         server.shutdown()
 

@@ -40,6 +40,8 @@ ADVANTAGE_ESTIMATORS = (
     "optimal_token_baseline",
     "tir_optimal_token_baseline",
 )
+# the estimators that need no critic: every one but GAE (their statistics span a group or the batch)
+CRITIC_FREE_ESTIMATORS = tuple(e for e in ADVANTAGE_ESTIMATORS if e != "gae")
 
 
 def _check_groups(n: int, num_generations: int | None, name: str) -> int:

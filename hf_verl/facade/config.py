@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_verl.algorithms.advantages import SCALE_REWARDS
-from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from hf_verl.algorithms.estimators import CRITIC_FREE_ESTIMATORS
 from hf_verl.algorithms.importance import IS_MODES
 from hf_verl.algorithms.kl import KL_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES, VERL_AGGREGATIONS
@@ -71,7 +71,10 @@ def _known_policy_loss(name: str) -> bool:
     except ValueError:
         return False
     return True
-_ESTIMATORS = ("auto", *[e for e in ADVANTAGE_ESTIMATORS if e != "remax" and "optimal_token_baseline" not in e])
+# the critic-free estimators the facade runs (ReMax's greedy baseline and the optimal-token baselines' sampling
+# statistics are the trainers' only)
+CRITIC_FREE_CHOICES = tuple(e for e in CRITIC_FREE_ESTIMATORS if e != "remax" and "optimal_token_baseline" not in e)
+_ESTIMATORS = ("auto", "gae", *CRITIC_FREE_CHOICES)
 
 # The names and defaults are those of the TRL-style configs (GRPOConfig for what GRPO has, PPOConfig
 # for the critic's knobs): one vocabulary and one default per concept across the library.

@@ -3,11 +3,12 @@
 The :class:`~hf_verl.facade.trainer.Trainer` generates its rollouts through :class:`AsyncRollout`:
 for each source of batches (`rollout()`'s draws from the dataset, each `rollouts(batches)`
 generator) it hands out the rollout prefetched for that source, or generates one now, then starts
-the source's next prefetch on the background worker. It holds the role-free half of a rollout,
-generation and scoring, which runs on either thread, and owns the worker
+the source's next prefetch on the background worker. Generation and scoring are the trainers' own
+(:class:`~hf_verl.pipeline.rounds.RoundCollector`, on either thread); this class owns the worker
 (:class:`~hf_verl.pipeline.prefetch.RolloutPrefetcher`), the pending prefetches and the round
-counter of per-row sampling seeds. The roles, their weights, the rows of a batch and the phases
-that read a trained role (reference, critic, old log-probs, advantages) stay the trainer's.
+counter of per-row sampling seeds, and reaches the trainer only through a :class:`RolloutHost`
+(no private attribute of it). The roles, their weights and the phases that read a trained role
+(reference, critic, old log-probs, advantages) stay the trainer's.
 
 A prefetched rollout is `Generated` (generated and scored, not yet seen by the trainer's roles)
 behind a `Pending` future, together with the generation settings it used: a setting changed since
@@ -21,22 +22,18 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hf_verl.facade.debug import TraceLogger, new_trace_id, trace
-from hf_verl.facade.roles import model_device_dtype
 from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
 from hf_verl.pipeline import generation
 from hf_verl.pipeline.prefetch import RolloutPrefetcher
+from hf_verl.pipeline.rounds import RoundCollector, round_row_seeds
 from hf_verl.pipeline.sync import shares_actor_weights
-from hf_verl.pipeline.tool_rollout import engine_context_length
 from hf_verl.rewards.callables import combine_rewards
-from hf_verl.rollout.base import RolloutEngine, SamplingParams
-
-if TYPE_CHECKING:
-    from hf_verl.facade.trainer import Trainer
+from hf_verl.rollout.base import RolloutEngine
 
 logger = TraceLogger(logging.getLogger(__name__), {})
 
@@ -68,24 +65,58 @@ class Pending:
     future: Future
 
 
+@dataclass
+class RolloutHost:
+    """What :class:`AsyncRollout` needs of its trainer, as callables read at each use (the trainer's roles load
+    lazily and its settings change live).
+
+    Attributes:
+        config: the live settings (`use_async_rollout`, `max_staleness`, `num_generations`, the generation
+            settings of :data:`GENERATION_SETTINGS`).
+        rows (`Callable[[Any], list[dict]]`): a batch as rows, each repeated per completion (checked on the main
+            thread: a bad batch fails where it is handed in).
+        collector (`Callable[[], RoundCollector]`): generates and scores rows.
+        engine (`Callable[[], RolloutEngine]`): the rollout engine; actor (`Callable[[], TrainingEngine]`): the
+            actor's training engine.
+        dims (`Callable[[], ParallelDims]`): the layout; device: where rollout tensors go.
+        global_step / engine_step (`Callable[[], int]`): the actor's optimizer steps, and the step whose weights
+            the engine holds.
+        sync_deferred (`Callable[[], None]`): apply a weight sync the trainer deferred while the engine generated.
+        sharded_rewards (`Callable[[], int]`): reward models sharded with the policy (they score on the main
+            thread only).
+        reward_weights: the reward sources' weights (None: all 1).
+        record (`Callable[[str, Mapping], None]`): the debug recorder at a role boundary.
+    """
+
+    config: Any
+    rows: Callable[[Any], list[dict]]
+    collector: Callable[[], RoundCollector]
+    engine: Callable[[], RolloutEngine]
+    actor: Callable[[], Any]
+    dims: Callable[[], Any]
+    device: Callable[[], torch.device]
+    global_step: Callable[[], int]
+    engine_step: Callable[[], int]
+    sync_deferred: Callable[[], None]
+    sharded_rewards: Callable[[], int]
+    reward_weights: Callable[[], Any]
+    record: Callable[[str, Mapping], None]
+
+
 class AsyncRollout:
     """The trainer's generation of rollouts, one prefetch ahead per source of batches with
     `config.use_async_rollout` (and `config.max_staleness > 0`), synchronous otherwise.
 
     Args:
-        trainer ([`Trainer`]): the owner. On the main thread this class calls its `_prompts`,
-            `_tokenize` and `_sync_deferred_weights` and reads its `dims`, `engine`, `actor_engine`,
-            `global_step`, `_engine_step` and `_sharded_rewards`; generation and scoring (on either
-            thread) read its `config`, `model` (for the device), `tokenizer`, `reward_funcs`,
-            `reward_weights` and `_tool_rollout`, and record through its `_record`.
+        host ([`RolloutHost`]): what it reads of its trainer.
 
     Attributes:
         pending (`dict`): the prefetch (`Pending`) of each source, by the source's key.
         prefetcher ([`RolloutPrefetcher`]): the background worker and the actor copy it generates with.
     """
 
-    def __init__(self, trainer: Trainer) -> None:
-        self._trainer = trainer
+    def __init__(self, host: RolloutHost) -> None:
+        self._host = host
         self.pending: dict[Any, Pending] = {}  # prefetched rollouts, by source (`rollout()` or a generator)
         self.prefetcher = RolloutPrefetcher("hf_verl-facade-rollout")
         self._rounds = 0  # rollouts generated so far: the round index of per-row sampling seeds
@@ -107,7 +138,7 @@ class AsyncRollout:
             `RuntimeError`: the prefetched rollout is staler than `config.max_staleness` allows; it is
             kept, so that a retry with a higher `max_staleness` uses it.
         """
-        t = self._trainer
+        h = self._host
         pending, generated, wait_s = self.pending.pop(key, None), None, 0.0
         if pending is None:
             batch = next_batch()
@@ -121,7 +152,7 @@ class AsyncRollout:
                 logger.info("dropping the prefetched rollout (async rollout or a generation setting changed since "
                             "it started); regenerating its %d prompts now", _num_rows(batch))
                 generated = None
-            elif t.global_step - generated.weights_step > t.config.max_staleness:
+            elif h.global_step() - generated.weights_step > h.config.max_staleness:
                 self.pending[key] = pending  # kept: a retry with a higher max_staleness uses it
                 raise RuntimeError(self._staleness_message(generated.weights_step))
         if generated is None:
@@ -142,18 +173,17 @@ class AsyncRollout:
             `Generated`: the rollout, generated after any background generation on the same engine
             finished and the weight sync deferred meanwhile was applied.
         """
-        t = self._trainer
+        h = self._host
         with trace(trace_id):
-            prompts, columns = t._prompts(batch)
-            engine = t.engine
+            rows = h.rows(batch)
+            engine = h.engine()
             if self.prefetcher.busy(engine):
                 self.prefetcher.wait_idle()
-            t._sync_deferred_weights()
-            shared = shares_actor_weights(engine, t.actor_engine)
-            prompt_ids, num_truncated = t._tokenize(prompts)
-            generated = self._collect(prompts, prompt_ids, num_truncated, columns, engine, None,
-                                      t.global_step if shared else t._engine_step, not shared,
-                                      self._next_row_seeds(len(prompts)))
+            h.sync_deferred()
+            shared = shares_actor_weights(engine, h.actor())
+            tokenized = h.collector().tokenize(rows)
+            generated = self._collect(rows, tokenized, engine, None, h.global_step() if shared else h.engine_step(),
+                                      not shared, self._next_row_seeds(len(rows)))
         generated.out.meta["trace_id"] = trace_id
         return generated
 
@@ -164,17 +194,17 @@ class AsyncRollout:
         self.prefetcher.close()
 
     def _prefetching(self) -> bool:
-        cfg = self._trainer.config
+        cfg = self._host.config
         if cfg.use_async_rollout and cfg.max_staleness == 0 and not self._sync_logged:
             self._sync_logged = True
             logger.info("max_staleness=0: every rollout is generated synchronously with the current weights")
         return cfg.use_async_rollout and cfg.max_staleness > 0
 
     def _generation_settings(self) -> dict[str, Any]:
-        return {k: getattr(self._trainer.config, k) for k in GENERATION_SETTINGS}
+        return {k: getattr(self._host.config, k) for k in GENERATION_SETTINGS}
 
     def _staleness_message(self, weights_step: int) -> str:
-        step, max_staleness = self._trainer.global_step, self._trainer.config.max_staleness
+        step, max_staleness = self._host.global_step(), self._host.config.max_staleness
         lag = step - weights_step
         return (f"the prefetched rollout was generated with the actor's weights of step {weights_step} and would be "
                 f"used at step {step}: staleness {lag} exceeds config.max_staleness="
@@ -184,35 +214,31 @@ class AsyncRollout:
 
     def _next_row_seeds(self, rows: int) -> list[int] | None:
         index, self._rounds = self._rounds, self._rounds + 1
-        cfg = self._trainer.config
-        if not cfg.per_row_sampling_seed:
-            return None
-        dims = self._trainer.dims
-        return generation.row_seeds(cfg.seed, index, dims.dp_rank, dims.dp_size, rows)
+        dims = self._host.dims()
+        return round_row_seeds(self._host.config, index, dims.dp_rank, dims.dp_size, rows)
 
     def _submit(self, batch: Any) -> Pending:
         """Start generating `batch` in the background (rows drawn and tokenized here, on the main thread)."""
-        t, prefetcher = self._trainer, self.prefetcher
-        if t._sharded_rewards:
+        h, prefetcher = self._host, self.prefetcher
+        if h.sharded_rewards():
             raise ValueError("reward models are sharded with the policy (FSDP2 / ZeRO-3) and score on the main "
                              "thread: set config.use_async_rollout = False.")
-        prompts, columns = t._prompts(batch)
-        prompt_ids, num_truncated = t._tokenize(prompts)
-        actor = t.actor_engine
-        engine = prefetcher.engine_for(t.engine, actor, t.global_step)
+        rows = h.rows(batch)
+        tokenized = h.collector().tokenize(rows)
+        actor, step = h.actor(), h.global_step()
+        engine = prefetcher.engine_for(h.engine(), actor, step)
         if engine is prefetcher.copy_engine:
-            sync_s = prefetcher.sync_copy(actor, t.global_step)
-            version, weights_step = t.engine.weight_version, t.global_step
+            sync_s = prefetcher.sync_copy(actor, step)
+            version, weights_step = h.engine().weight_version, step
         else:
             prefetcher.wait_idle()
             t0 = time.perf_counter()
-            t._sync_deferred_weights()
-            sync_s, version, weights_step = time.perf_counter() - t0, None, t._engine_step
+            h.sync_deferred()
+            sync_s, version, weights_step = time.perf_counter() - t0, None, h.engine_step()
         # the copy holds the actor's exact weights: only its staleness makes it off-policy
         off_policy = engine is not prefetcher.copy_engine and not shares_actor_weights(engine, actor)
-        future = prefetcher.submit(engine, self._collect_in_background, new_trace_id(), sync_s, prompts,
-                                   prompt_ids, num_truncated, columns, engine, version, weights_step,
-                                   off_policy, self._next_row_seeds(len(prompts)))
+        future = prefetcher.submit(engine, self._collect_in_background, new_trace_id(), sync_s, rows, tokenized,
+                                   engine, version, weights_step, off_policy, self._next_row_seeds(len(rows)))
         return Pending(batch, self._generation_settings(), future)
 
     def _collect_in_background(self, trace_id: str, sync_s: float, *args: Any) -> Generated:
@@ -222,39 +248,23 @@ class AsyncRollout:
         generated.timings["weight_sync"], generated.prefetched = sync_s, True
         return generated
 
-    def _collect(self, prompts: list, prompt_ids: list[list[int]], num_truncated: int, columns: dict[str, list],
-                 engine: RolloutEngine, version: int | None, weights_step: int, off_policy: bool,
-                 row_seeds: list[int] | None = None) -> Generated:
-        """Generate and score: reads no trainer role, so it may run off the main thread."""
-        t = self._trainer
-        cfg = t.config
-        t0 = time.perf_counter()
-        sampling = SamplingParams(max_new_tokens=cfg.max_completion_length, temperature=cfg.temperature,
-                                  top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                  repetition_penalty=cfg.repetition_penalty, stop=tuple(cfg.stop or ()))
-        device = model_device_dtype(t.model)[0]
-        if t._tool_rollout is not None:  # multi-turn: the trainers' tool-calling path
-            rows = [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
-            result = t._tool_rollout.generate_and_score(
-                engine, rows, t.tokenizer, sampling, t.reward_funcs, columns, device=device,
-                row_seeds=row_seeds, max_prompt_length=cfg.max_prompt_length, version=version, batch_cls=Rollout,
-                max_context_length=engine_context_length(engine), max_iterations=cfg.max_tool_calling_iterations)
-            out, per_func, t1 = result.batch, result.rewards_per_func, t0 + result.generate_s
-            num_truncated = -(-result.num_truncated // cfg.num_generations)
-            t._record("actor->rollout", out.tensor_fields())
-        else:
-            t._record("prompts->actor", {"prompt_ids": torch.tensor([len(p) for p in prompt_ids])})
-            out = generation.generate(engine, prompt_ids, prompts, sampling, t.tokenizer, device,
-                                      row_seeds=row_seeds, version=version, batch_cls=Rollout)
-            t._record("actor->rollout", out.tensor_fields())
-            t1 = time.perf_counter()
-            per_func = generation.score(t.reward_funcs, out, columns)
-        for k, v in columns.items():
+    def _collect(self, rows: list[dict], tokenized: tuple | None, engine: RolloutEngine, version: int | None,
+                 weights_step: int, off_policy: bool, row_seeds: list[int] | None = None) -> Generated:
+        """Generate and score through the trainers' collector: reads no trainer role, so it may run off the main
+        thread. Adds the facade's views: dataset columns in the meta, the combined reward."""
+        h = self._host
+        if tokenized is not None:
+            h.record("prompts->actor", {"prompt_ids": torch.tensor([len(p) for p in tokenized[0].ids])})
+        c = h.collector().collect(rows, engine, device=h.device(), row_seeds=row_seeds, version=version,
+                                  tokenized=tokenized)
+        out = c.batch
+        h.record("actor->rollout", out.tensor_fields())
+        for k, v in generation.row_columns(rows).items():
             out.meta[COLUMN_PREFIX + k] = v
-        out.rewards = combine_rewards(per_func, t.reward_weights).to(out.device)
-        t._record("reward->rollout", {"rewards": out.rewards})
-        timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}
-        return Generated(out, per_func, num_truncated, weights_step, off_policy, timings)
+        out.rewards = combine_rewards(c.rewards_per_func, h.reward_weights()).to(out.device)
+        h.record("reward->rollout", {"rewards": out.rewards})
+        num_truncated = -(-c.num_truncated // h.config.num_generations)  # distinct prompts
+        return Generated(out, c.rewards_per_func, num_truncated, weights_step, off_policy, c.timings)
 
 
 def _num_rows(batch: Any) -> int:

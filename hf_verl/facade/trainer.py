@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
-from hf_verl.data.prompts import check_prompt_column, ensure_pad_token, tokenize_prompts
+from hf_verl.data.prompts import check_prompt_column, ensure_pad_token
 from hf_verl.data.batch import LossInputs
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.registry import launch_role_layout, make_engine
 from hf_verl.engine.step import LogProbs, OptimizerSpec, PolicyOutput, Values
-from hf_verl.facade.config import TrainerConfig
+from hf_verl.facade.config import CRITIC_FREE_CHOICES, TrainerConfig
 from hf_verl.facade.debug import (
     DEFAULT_DEBUG_FILE,
     DebugRecorder,
@@ -50,13 +50,14 @@ from hf_verl.facade.debug import (
     peak_memory_mb,
     trace,
 )
-from hf_verl.facade.prefetch import END, AsyncRollout, Generated
+from hf_verl.facade.prefetch import END, AsyncRollout, Generated, RolloutHost
 from hf_verl.facade.roles import LazyModel, model_device_dtype, vocab_size
 from hf_verl.facade.rollout import Rollout
 from hf_verl.parallel import comm
 from hf_verl.parallel.capabilities import parallelism_report, supported_parallelisms
 from hf_verl.pipeline import losses, phases
 from hf_verl.pipeline.prefetch import frozen_copy
+from hf_verl.pipeline.rounds import RoundCollector
 from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.sync import sync_weights
 from hf_verl.pipeline.tool_rollout import ToolRollout, tool_frequencies, tool_metrics
@@ -66,7 +67,6 @@ from hf_verl.rollout.base import RolloutEngine
 
 logger = TraceLogger(logging.getLogger(__name__), {})
 _DATASET = "dataset"  # key of `rollout()`'s own prefetch (each `rollouts()` generator has its own key)
-_CRITIC_FREE = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 class Trainer:
@@ -143,7 +143,13 @@ class Trainer:
         self._loss_rollout: Rollout | None = None
         self._pending_loss: torch.Tensor | None = None  # compute_loss ran its backward; step() applies it
         self.global_step = 0
-        self._async_rollout = AsyncRollout(self)  # the worker and the prefetched rollouts, by source
+        self._collector: RoundCollector | None = None  # made on first use (the tokenizer may load lazily)
+        self._async_rollout = AsyncRollout(RolloutHost(  # the worker and the prefetched rollouts, by source
+            config=self.config, rows=self._rows, collector=self._round_collector, engine=lambda: self.engine,
+            actor=lambda: self.actor_engine, dims=lambda: self.dims, device=lambda: self.actor_engine.device,
+            global_step=lambda: self.global_step, engine_step=lambda: self._engine_step,
+            sync_deferred=self._sync_deferred_weights, sharded_rewards=lambda: self._sharded_rewards,
+            reward_weights=lambda: self.reward_weights, record=self._record))
         weakref.finalize(self, self._async_rollout.prefetcher.close, False)
         self._engine_step = 0  # the actor step the engine's weights are from (engines that own weights)
         self._sync_deferred = False
@@ -421,16 +427,26 @@ class Trainer:
             self._tool_rollout.check_tokenizer(self.tokenizer)
             self._tools_checked = True
 
-    def _tokenize(self, prompts: list) -> tuple[list[list[int]] | None, int]:
-        """Token ids of each (repeated) prompt and the number of distinct prompts truncated; `(None, 0)` with
-        tools, whose rollout renders each prompt with the tools' schemas itself."""
+    def _rows(self, batch: Any) -> list[dict]:
+        """A batch as rows (`prompt` and the other columns), each repeated `num_generations` times; with tools the
+        prompts are checked against them here, on the main thread."""
+        prompts, columns = self._prompts(batch)
         if self._tool_rollout is not None:
             self._check_tools()
             self._tool_rollout.check_prompts(prompts)
-            return None, 0
-        G = self.config.num_generations
-        unique = tokenize_prompts(prompts[::G], self.tokenizer, self.config.max_prompt_length)
-        return [ids for ids in unique.ids for _ in range(G)], unique.num_truncated
+        return [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
+
+    def _round_collector(self) -> RoundCollector:
+        """The trainers' round collector (tokenise, generate, score) over this trainer's settings."""
+        if self._collector is None:
+            from hf_verl.facade.rollout import Rollout as RolloutType
+
+            cfg = self.config
+            self._collector = RoundCollector(
+                self.tokenizer, self.reward_funcs, cfg, max_new_tokens=lambda: cfg.max_completion_length,
+                prompt_limit=lambda: cfg.max_prompt_length, tool_rollout=self._tool_rollout, batch_cls=RolloutType,
+                stream_scoring=False)
+        return self._collector
 
     @torch.no_grad()
     def _reference_logprobs(self, out: Rollout) -> torch.Tensor | None:
@@ -454,7 +470,7 @@ class Trainer:
             return "gae" if self.critic is not None else "grpo"
         if name == "gae" and self.critic is None:
             raise ValueError(f"advantage_estimator 'gae' needs a critic: pass critic_model=, or pick a critic-free "
-                             f"estimator {_CRITIC_FREE}.")
+                             f"estimator {CRITIC_FREE_CHOICES}.")
         if name != "gae" and self.critic is not None:
             raise ValueError(f"advantage_estimator {name!r} does not use the critic; set advantage_estimator='gae' "
                              "(or 'auto'), or drop critic_model.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from hf_verl.algorithms.estimators import (
+    CRITIC_FREE_ESTIMATORS,
     compute_advantages,
     masked_whiten,
     token_level_rewards,
@@ -24,8 +25,7 @@ from hf_verl.parallel import comm
 from hf_verl.parallel.dims import ParallelDims
 
 # estimators whose statistics span the round (groups, batch whitening): computed on gathered rows
-GLOBAL_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
-                     "gpg", "grpo_passk", "opo", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline")
+GLOBAL_ESTIMATORS = CRITIC_FREE_ESTIMATORS
 
 
 def policy_logprobs(actor: TrainingEngine, batch: RolloutBatch, *, temperature: float, chunk_size: int,

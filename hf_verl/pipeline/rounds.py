@@ -111,7 +111,10 @@ class RoundCollector:
 
     def tokenize(self, rows: Sequence[dict]):
         """Prompt token ids of `rows` (a `prompt` column, or pre-tokenised `input_ids` as in TRL's PPO datasets)
-        and the prompts as the reward functions see them: `(TokenizedPrompts, prompts)`."""
+        and the prompts as the reward functions see them: `(TokenizedPrompts, prompts)`; `None` with tools (a tool
+        rollout renders each prompt with its row's tools itself)."""
+        if self.tool_rollout is not None:
+            return None
         if "prompt" in rows[0]:
             prompts = [r["prompt"] for r in rows]
             return tokenize_prompts(prompts, self.tokenizer, self.prompt_limit(),
@@ -121,7 +124,7 @@ class RoundCollector:
 
     def collect(self, rows: list[dict], engine: RolloutEngine, *, device: torch.device | str,
                 row_seeds: list[int] | None = None, version: int | None = None,
-                trainer_state: Any = None) -> Collected:
+                trainer_state: Any = None, tokenized: tuple | None = None) -> Collected:
         """Generate one completion per row on `engine` and score it with every reward source.
 
         Args:
@@ -131,6 +134,8 @@ class RoundCollector:
             row_seeds (`list[int]`, *optional*): one sampling seed per row (:func:`round_row_seeds`).
             version (`int`, *optional*): the weight version to stamp on the rows (default: the engine's).
             trainer_state (*optional*): passed to reward functions as `trainer_state` (TRL's keyword).
+            tokenized (`tuple`, *optional*): `rows` already tokenised by :meth:`tokenize` (on the main thread, so
+                that a prompt error surfaces where the rows were handed in).
         """
         t0 = time.perf_counter()
         context = RewardCallContext(trainer_state)
@@ -148,7 +153,7 @@ class RoundCollector:
             return Collected(rows, result.batch.pad_to_multiple(pad_multiple, pad_id), result.rewards_per_func,
                              result.num_truncated, {"generate": result.generate_s, "reward": result.reward_s},
                              context)
-        tok, prompts = self.tokenize(rows)
+        tok, prompts = tokenized if tokenized is not None else self.tokenize(rows)
         if self.stream_scoring and hasattr(engine, "generate_stream") and row_seeds is None:
             batch, rewards_per_func, reward_s = generation.generate_scoring_as_done(
                 engine, tok.ids, prompts, sampling, self.tokenizer, device, reward_funcs, columns,

@@ -33,8 +33,6 @@ from hf_verl.data.batch import RolloutBatch
 from hf_verl.data.prompts import (
     check_prompt_column,
     ensure_pad_token,
-    pretokenized_prompts,
-    tokenize_prompts,
 )
 from hf_verl.data.samplers import RepeatGroupSampler
 from hf_verl.parallel.precision import amp_dtype
@@ -43,9 +41,9 @@ from hf_verl.parallel import comm
 from hf_verl.pipeline import generation, phases
 from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
 from hf_verl.pipeline.rewards import place_reward_models
+from hf_verl.pipeline.rounds import Collected, RoundCollector, round_row_seeds, split_generation_kwargs
 from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
 from hf_verl.pipeline.tool_rollout import (
-    engine_context_length,
     tool_frequencies,
     tool_metrics,
 )
@@ -56,10 +54,8 @@ from hf_verl.rewards.callables import (
 )
 from hf_verl.rewards.reward_model import RewardModelScorer, resolve_reward_sources
 from hf_verl.rollout.base import (
-    GENERATION_KWARGS,
     RolloutEngine,
     SamplingParams,
-    apply_generation_kwargs,
 )
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.trainers.completion_log import CompletionLog
@@ -67,15 +63,6 @@ from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
 from hf_verl.trainers.vllm_args import colocate_max_model_len
 
 logger = logging.getLogger(__name__)
-
-
-def split_generation_kwargs(kwargs: dict | None) -> tuple[dict, dict]:
-    """TRL's `generation_kwargs` as `(the sampling settings every engine honours, the rest)`; the rest are
-    `transformers.GenerationConfig` fields (beam search, n-gram blocking, ...) that only the transformers engine
-    takes, passing them to `model.generate` (the config refuses them with vLLM)."""
-    kwargs = dict(kwargs or {})
-    known = {k: v for k, v in kwargs.items() if k in GENERATION_KWARGS}
-    return known, {k: v for k, v in kwargs.items() if k not in known}
 
 
 def _rows(rows: list[dict]) -> list[dict]:
@@ -170,6 +157,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         self._prefetcher = RolloutPrefetcher()
         self.completion_log = CompletionLog(args, self.reward_names, seed=args.seed)
         self._prompt_limit = args.max_prompt_length  # lowered when a colocated engine has fewer positions
+        self._collector = RoundCollector(processing_class, self.reward_funcs, args, max_new_tokens=self._max_new_tokens,
+                                         prompt_limit=lambda: self._prompt_limit)
         if train_dataset is not None and hasattr(train_dataset, "__len__"):
             self._get_train_sampler()  # a dataset too small for one round fails here, not at train()
         if getattr(args, "use_vllm", False):
@@ -236,14 +225,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
     # ------------------------------------------------------------------ data
     def _sampling_params(self) -> SamplingParams:
         """The config's sampling fields, overridden by `generation_kwargs` (TRL's precedence)."""
-        a = self.args
-        sampling = SamplingParams(max_new_tokens=self._max_new_tokens(), temperature=a.temperature,
-                                  top_p=getattr(a, "top_p", 1.0), top_k=getattr(a, "top_k", 0),
-                                  min_p=getattr(a, "min_p", None),
-                                  repetition_penalty=getattr(a, "repetition_penalty", 1.0),
-                                  stop=tuple(getattr(a, "stop", None) or ()))
-        known, _ = split_generation_kwargs(getattr(a, "generation_kwargs", None))
-        return apply_generation_kwargs(sampling, known)
+        return self._collector.sampling()
 
     def _max_new_tokens(self) -> int:
         raise NotImplementedError
@@ -293,27 +275,14 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
     def _prepare_inputs(self, inputs):
         return inputs  # rollouts are built by `_rollout_round`; no tensor moving to do here
 
-    def _tokenize_rows(self, rows: list[dict]):
-        """Prompt token ids of `rows` (a `prompt` column, or pre-tokenised `input_ids` as in TRL's PPO
-        datasets) and the prompts as the reward functions see them."""
-        if "prompt" in rows[0]:
-            prompts = [r["prompt"] for r in rows]
-            return tokenize_prompts(prompts, self.processing_class, self._prompt_limit,
-                                    getattr(self.args, "chat_template_kwargs", None)), prompts
-        tok = pretokenized_prompts(rows, self.processing_class, self._prompt_limit)
-        return tok, tok.texts
-
     def _round_index(self) -> int:
         a = self.args
         return (self._micro_step or 0) // (a.steps_per_generation * a.num_iterations)
 
     def _row_seeds(self, g: int, n: int) -> list[int] | None:
-        """With `per_row_sampling_seed`, one sampling seed per row of this rank's part of round `g`, from
-        the row's place in the global round: the same global round samples the same completions however
-        it is split over ranks."""
-        if not getattr(self.args, "per_row_sampling_seed", False):
-            return None
-        return generation.row_seeds(self.args.seed, g, self.dims.dp_rank, self.dims.dp_size, n)
+        """With `per_row_sampling_seed`, one sampling seed per row of this rank's part of round `g`
+        (:func:`~hf_verl.pipeline.rounds.round_row_seeds`)."""
+        return round_row_seeds(self.args, g, self.dims.dp_rank, self.dims.dp_size, n)
 
     # ------------------------------------------------------------------ rollout phases
     def _sync_engine(self) -> None:
@@ -331,44 +300,17 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         seeds = self._row_seeds(self._round_index(), len(rows))
         return self._finish_collected(self._collect(rows, self.engine, seeds))
 
-    def _collect(self, rows: list[dict], engine: RolloutEngine, row_seeds: list[int] | None = None) -> dict:
-        """Tokenise, generate and score: no trainer forward, so it may run off the main thread. With tools the
-        rollout is multi-turn (the same path on every engine); with a `rollout_func`, that function generates."""
-        t0 = time.perf_counter()
-        columns = generation.row_columns(rows)
-        device = self.args.device
-        context = RewardCallContext(self.state)  # what the reward functions log in this call
-        reward_funcs = context.bind(self.reward_funcs)
+    def _collect(self, rows: list[dict], engine: RolloutEngine, row_seeds: list[int] | None = None) -> Collected:
+        """Tokenise, generate and score (:class:`~hf_verl.pipeline.rounds.RoundCollector`, the facade's too): no
+        trainer forward, so it may run off the main thread. With a `rollout_func`, that function generates."""
         if self.rollout_func is not None:
-            batch, rewards_per_func, timings = self._custom_rollout(rows, engine, columns, reward_funcs)
-            return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func, "num_truncated": 0,
-                    "timings": timings, "reward_context": context}
-        if self._tool_rollout is not None:
-            result = self._tool_rollout.generate_and_score(
-                engine, rows, self.processing_class, self._sampling_params(), reward_funcs, columns,
-                device=device, row_seeds=row_seeds, max_prompt_length=self._prompt_limit,
-                chat_template_kwargs=getattr(self.args, "chat_template_kwargs", None),
-                max_context_length=engine_context_length(engine))
-            batch = result.batch.pad_to_multiple(getattr(self.args, "pad_to_multiple_of", None),
-                                                 self.processing_class.pad_token_id)
-            return {"rows": rows, "batch": batch, "rewards_per_func": result.rewards_per_func,
-                    "num_truncated": result.num_truncated,
-                    "timings": {"generate": result.generate_s, "reward": result.reward_s}, "reward_context": context}
-        tok, prompts = self._tokenize_rows(rows)
-        if hasattr(engine, "generate_stream") and row_seeds is None:  # a server: score requests as they finish
-            batch, rewards_per_func, reward_s = generation.generate_scoring_as_done(
-                engine, tok.ids, prompts, self._sampling_params(), self.processing_class, device,
-                reward_funcs, columns, getattr(self.args, "num_generations", 1))
-            timings = {"generate": time.perf_counter() - t0 - reward_s, "reward": reward_s}
-        else:
-            batch = generation.generate(engine, tok.ids, prompts, self._sampling_params(), self.processing_class,
-                                        device, row_seeds=row_seeds)
-            t1 = time.perf_counter()
-            rewards_per_func = generation.score(reward_funcs, batch, columns)
-            timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}
-        batch = batch.pad_to_multiple(getattr(self.args, "pad_to_multiple_of", None), self.processing_class.pad_token_id)
-        return {"rows": rows, "batch": batch, "rewards_per_func": rewards_per_func,
-                "num_truncated": tok.num_truncated, "timings": timings, "reward_context": context}
+            context = RewardCallContext(self.state)  # what the reward functions log in this call
+            batch, rewards_per_func, timings = self._custom_rollout(
+                rows, engine, generation.row_columns(rows), context.bind(self.reward_funcs))
+            return Collected(rows, batch, rewards_per_func, 0, timings, context)
+        self._collector.tool_rollout = self._tool_rollout
+        return self._collector.collect(rows, engine, device=self.args.device, row_seeds=row_seeds,
+                                       trainer_state=self.state)
 
     def _custom_rollout(self, rows: list[dict], engine: RolloutEngine, columns: dict[str, list], reward_funcs: list):
         """TRL's `rollout_func(prompts, trainer)`: its output becomes the batch, its extra fields reward columns."""
@@ -383,16 +325,16 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         rewards_per_func = generation.score(reward_funcs, batch, {**columns, **extra})
         return batch, rewards_per_func, {"generate": t1 - t0, "reward": time.perf_counter() - t1}
 
-    def _finish_collected(self, c: dict) -> list[RolloutBatch]:
+    def _finish_collected(self, c: Collected) -> list[RolloutBatch]:
         if self.dims.sp > 1:  # the ranks of a sequence-parallel group train on the first one's rollout
             c = comm.broadcast_sp(self.dims, c)
-        self._metrics["prompts/truncated_ratio"].append(c["num_truncated"] / c["batch"].batch_size)
-        self._take_reward_logs(c["reward_context"], c["batch"])
-        counts = tool_metrics(c["batch"])
+        self._metrics["prompts/truncated_ratio"].append(c.num_truncated / c.batch.batch_size)
+        self._take_reward_logs(c.reward_context, c.batch)
+        counts = tool_metrics(c.batch)
         if counts is not None:  # TRL's tool metrics, over every rank's rows
             for key, value in tool_frequencies(comm.reduce(self.dims, counts, "sum")).items():
                 self._metrics[key].append(value)
-        return self._finish_round(c["batch"], c["rows"], c["rewards_per_func"], c["timings"])
+        return self._finish_round(c.batch, c.rows, c.rewards_per_func, c.timings)
 
     def _take_reward_logs(self, context: RewardCallContext, batch: RolloutBatch, prefix: str = "") -> None:
         """The reward functions' `log_metric` values join the metrics of the next log; their `log_extra` columns
@@ -419,7 +361,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         if self._pending is not None and self._pending[0] == g:
             weights_round, future = self._pending[1], self._pending[2]
             collected = future.result()
-            if [r.get("prompt", r.get("input_ids")) for r in collected["rows"]] != \
+            if [r.get("prompt", r.get("input_ids")) for r in collected.rows] != \
                     [r.get("prompt", r.get("input_ids")) for r in rows]:
                 logger.warning("prefetched rollout of round %d does not match the dataloader's rows; "
                                "rolling out synchronously", g)
@@ -639,8 +581,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                 continue
             rows = [row for row in prompts for _ in range(repeats)]
             collected = self._collect(rows, self.engine)  # the training rollout path (tools, rollout_func)
-            batch, per_func = collected["batch"], collected["rewards_per_func"].double().cpu()
-            loss = self._eval_loss(batch, collected["rewards_per_func"], repeats)
+            batch, per_func = collected.batch, collected.rewards_per_func.double().cpu()
+            loss = self._eval_loss(batch, collected.rewards_per_func, repeats)
             if not counted:
                 continue
             combined = combine_rewards(per_func, self.args.reward_weights)
@@ -653,7 +595,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             valid = ~per_func.isnan()
             totals[5::2] += torch.where(valid, per_func, 0.0).sum(0)
             totals[6::2] += valid.sum(0)
-            for name, values in collected["reward_context"].metrics.items():
+            for name, values in collected.reward_context.metrics.items():
                 logged[name].extend(values)
             progress.update(1)
         progress.close()

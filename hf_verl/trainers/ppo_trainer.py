@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_verl.algorithms.estimators import (
+    CRITIC_FREE_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     token_level_rewards,
@@ -49,7 +50,7 @@ from hf_verl.trainers.ppo_config import PPOConfig
 
 logger = logging.getLogger(__name__)
 
-CRITIC_FREE = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+CRITIC_FREE = CRITIC_FREE_ESTIMATORS
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
