@@ -179,3 +179,15 @@ def test_trainers_hand_each_accumulation_window_to_the_engine_whole(tmp_path, tr
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(x)) for x in losses)
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
     assert len(norms) == 2 and all(n > 0 for n in norms)
+
+
+def test_replica_is_every_model_parallel_rank_of_one_data_parallel_rank():
+    """The sampler's copies and the rollout broadcast count sp x tp x pp ranks as one replica."""
+    dims = ParallelDims(dp_shard=2, sp=2, tp=2, world_size=8, rank=5)
+    assert (dims.replica_size, dims.dp_rank, dims.replica_rank) == (4, 1, 1)
+    ranks = [ParallelDims(dp_shard=2, pp=2, sp=2, world_size=8, rank=r) for r in range(8)]
+    by_replica = {}
+    for d in ranks:
+        by_replica.setdefault(d.dp_rank, []).append(d.replica_rank)
+    assert by_replica == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
+    assert ParallelDims().replica_size == 1 and ParallelDims().replica_group is None

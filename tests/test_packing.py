@@ -133,7 +133,7 @@ def _rollout():
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager", "hf_verl_ulysses"])
 def test_packed_logits_and_logprobs_equal_the_padded_forward(attention):
-    from hf_verl.engine.base import position_ids_from_mask, rollout_positions
+    from hf_verl.engine.hf_layouts import position_ids_from_mask, rollout_positions
     from hf_verl.parallel.dims import ParallelDims
     from hf_verl.parallel.ulysses import packed_logprobs, shard_sequence
 

@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from hf_verl.data.batch import RolloutBatch
-from hf_verl.engine.base import packing_pays
+from hf_verl.engine.hf_layouts import packing_pays
 from hf_verl.parallel.ulysses import packing_unsupported
 from tests.conftest import build_char_tokenizer
 from tests.test_grpo_trainer import _args, _model

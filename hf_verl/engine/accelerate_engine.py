@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from hf_verl.algorithms.logprobs import logprobs_from_head
-from hf_verl.engine.base import TokenStats, TrainingEngine, select_positions
+from hf_verl.engine.base import TokenStats, TrainingEngine
+from hf_verl.engine.hf_layouts import HFLayouts, select_positions
 from hf_verl.parallel.precision import amp_dtype, autocast
 from hf_verl.engine.step import OptimizerSpec, SchedulerSpec
 from hf_verl.parallel import deepspeed as ds
@@ -56,7 +57,7 @@ def value_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
-class AccelerateEngine(TrainingEngine):
+class AccelerateEngine(HFLayouts, TrainingEngine):
     """A model role trained (or run frozen) on one of accelerate's layouts (see the module docstring).
 
     Args:

@@ -350,8 +350,8 @@ class Trainer:
 
     def _finish(self, generated: Generated) -> Rollout:
         """The trainer-dependent phases of a rollout, on the main thread with the current roles."""
-        if self.dims.sp > 1:  # the ranks of a sequence-parallel group train on the same rollout: the first one's
-            generated = comm.broadcast_sp(self.dims, generated)
+        if self.dims.replica_size > 1:  # the ranks of one data-parallel replica train on its first rank's rollout
+            generated = comm.broadcast_replica(self.dims, generated)
         out, timings, cfg = generated.out, generated.timings, self.config
         kw = {"temperature": cfg.temperature if cfg.temperature > 0 else 1.0, "chunk_size": cfg.logprob_chunk_size,
               "micro_batch": out.batch_size}

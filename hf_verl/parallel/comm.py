@@ -89,15 +89,16 @@ def reduce(dims: ParallelDims, tensor: torch.Tensor, op: str = "sum") -> torch.T
     return out.to(tensor.device)
 
 
-def broadcast_sp(dims: ParallelDims, obj):
-    """`obj` as the first rank of this rank's sequence-parallel group holds it, on every rank of the group
-    (any picklable object; `dims.sp == 1`: `obj` itself). The ranks of one sp group train on the same rows,
-    so a rollout generated and scored there is handed to its peers rather than sampled again."""
-    if dims.sp == 1:
+def broadcast_replica(dims: ParallelDims, obj):
+    """`obj` as the first rank of this rank's data-parallel replica holds it, on every rank of the replica (its
+    sequence-, tensor- and pipeline-parallel peers; any picklable object; one process per replica: `obj`
+    itself). The ranks of one replica train on the same rows, so a rollout generated and scored there is handed
+    to its peers rather than sampled again."""
+    if dims.replica_size == 1:
         return obj
     import torch.distributed as dist
 
-    group = dims.sp_group
+    group = dims.replica_group
     source = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     box = [obj]
     dist.broadcast_object_list(box, src=source, group=group)

@@ -124,6 +124,18 @@ class ParallelDims:
         return self.coordinates["sp"]
 
     @property
+    def replica_size(self) -> int:
+        """Processes of one data-parallel replica (`sp x tp x pp`): they hold one copy of the data, train on one
+        rollout, and count as one copy for the sampler."""
+        return self.sp * self.tp * self.pp
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's index within its data-parallel replica (0: the rank whose rollout the replica trains on)."""
+        c = self.coordinates
+        return (c["pp"] * self.sp + c["sp"]) * self.tp + c["tp"]
+
+    @property
     def is_main(self) -> bool:
         """Rank 0: the process that logs, saves and talks to a shared rollout server."""
         return self.rank == 0
@@ -196,6 +208,24 @@ class ParallelDims:
         if "sp" not in self._groups:
             self._groups["sp"] = self.mesh["sp"].get_group()
         return self._groups["sp"]
+
+
+    @property
+    def replica_group(self) -> Any:
+        """The process group of this rank's data-parallel replica (its sp, tp and pp peers; `None`: one process
+        per replica). Its rank order is :attr:`replica_rank`."""
+        if self.replica_size == 1:
+            return None
+        if self.tp == self.pp == 1:
+            return self.sp_group
+        _require_process_group()
+        if self.replica_size == self.world_size:
+            import torch.distributed as dist
+
+            return dist.group.WORLD
+        if "replica" not in self._groups:
+            self._groups["replica"] = self.mesh["pp", "sp", "tp"]._flatten("replica").get_group()
+        return self._groups["replica"]
 
 
 def _world_and_rank() -> tuple[int, int]:

@@ -185,9 +185,10 @@ class EngineTrainerMixin:
 
     def _over_data_parallel_ranks(self, dataloader):
         """`dataloader` (prepared by accelerate over every process) dealt over the data-parallel ranks instead: the
-        ranks of one sequence-parallel group read the same batches. As transformers does for its rank-aware batch
-        samplers, the shard wrapper's process count and index are set (here to the data-parallel ones)."""
-        if self.dims.sp == 1:
+        ranks of one data-parallel replica (sequence, tensor or pipeline peers) read the same batches. As
+        transformers does for its rank-aware batch samplers, the shard wrapper's process count and index are set
+        (here to the data-parallel ones)."""
+        if self.dims.replica_size == 1:
             return dataloader
         from accelerate.data_loader import BatchSamplerShard
 

@@ -236,7 +236,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             len(train_dataset if train_dataset is not None else self.train_dataset), a.num_generations,
             chunk_size=a.per_device_train_batch_size * a.steps_per_generation, world_size=self.dims.dp_size,
             repeat=a.steps_per_generation * a.num_iterations, shuffle=a.shuffle_dataset, seed=a.seed,
-            copies=self.dims.sp,
+            copies=self.dims.replica_size,
         )
 
     def get_train_dataloader(self):
@@ -326,8 +326,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         return batch, rewards_per_func, {"generate": t1 - t0, "reward": time.perf_counter() - t1}
 
     def _finish_collected(self, c: Collected) -> list[RolloutBatch]:
-        if self.dims.sp > 1:  # the ranks of a sequence-parallel group train on the first one's rollout
-            c = comm.broadcast_sp(self.dims, c)
+        if self.dims.replica_size > 1:  # the ranks of one data-parallel replica train on its first rank's rollout
+            c = comm.broadcast_replica(self.dims, c)
         self._metrics["prompts/truncated_ratio"].append(c.num_truncated / c.batch.batch_size)
         self._take_reward_logs(c.reward_context, c.batch)
         counts = tool_metrics(c.batch)
