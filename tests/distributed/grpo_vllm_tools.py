@@ -22,7 +22,7 @@ def main(out: str) -> None:
     trainer = GRPOTrainer(model=_bigram_llama(tok), reward_funcs=reward, args=args, train_dataset=_dataset(),
                           processing_class=tok, tools=[add])
     rows = [trainer.train_dataset[i] for i in range(8)]
-    batch = trainer._collect(rows, trainer.engine)["batch"]
+    batch = trainer._collect(rows, trainer.engine).batch
     masked = bool(_observations(batch).any())
     trainer.train()
     for completions in seen:
