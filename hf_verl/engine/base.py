@@ -197,12 +197,16 @@ class TrainingEngine(abc.ABC):
             with sync, grad:
                 output = forward.run(self, micro_batch)
                 loss, metrics = loss_fn(output, micro_batch)
+                result.losses.append(loss.detach())
+                result.metrics.append({k: float(v) for k, v in metrics.items()})
+                if keep_outputs:
+                    result.outputs.append(_detached(output))
+                # the forward's outputs must not outlive the backward: a branch the loss does not use (entropy with
+                # entropy_coef=0) would keep its saved tensors, a vocabulary-sized chunk each, through it
+                del output, metrics
                 if not forward_only:
                     self._backward(loss * loss_scale)
-            result.losses.append(loss.detach())
-            result.metrics.append({k: float(v) for k, v in metrics.items()})
-            if keep_outputs:
-                result.outputs.append(_detached(output))
+                del loss
         return result
 
     @torch.no_grad()
