@@ -433,3 +433,15 @@ def test_facade_passes_every_sampling_field_of_the_trainers():
     assert (seen[0].min_p, seen[0].repetition_penalty, seen[0].stop) == (0.05, 1.3, ("zz",))
     with pytest.raises((TypeError, ValueError), match="repetition_penalty"):
         trainer.config.repetition_penalty = 0.0
+
+
+def test_facade_reward_functions_get_trls_logging_keywords():
+    """The facade scores through the trainers' collector: a reward function's log_metric values reach the rollout's
+    metrics."""
+    def logging_reward(completions, log_metric=None, **kwargs):
+        log_metric("my/len", float(sum(len(c) for c in completions)))
+        return [float(c.count("a")) for c in completions]
+
+    trainer = make_trainer(reward_model=logging_reward)
+    rollout = trainer.rollout(PROMPTS)
+    assert rollout.metrics["my/len"] == float(sum(len(c) for c in rollout.completions))

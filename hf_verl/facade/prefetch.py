@@ -54,6 +54,7 @@ class Generated:
     off_policy: bool  # sampled by other weights or numerics than the actor's current forward
     timings: dict[str, float] = field(default_factory=dict)
     prefetched: bool = False  # generated in the background
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # the reward functions' log_metric means
 
 
 @dataclass
@@ -264,7 +265,9 @@ class AsyncRollout:
         out.rewards = combine_rewards(c.rewards_per_func, h.reward_weights()).to(out.device)
         h.record("reward->rollout", {"rewards": out.rewards})
         num_truncated = -(-c.num_truncated // h.config.num_generations)  # distinct prompts
-        return Generated(out, c.rewards_per_func, num_truncated, weights_step, off_policy, c.timings)
+        logged = {name: sum(v) / len(v) for name, v in c.reward_context.metrics.items() if v}
+        return Generated(out, c.rewards_per_func, num_truncated, weights_step, off_policy, c.timings,
+                         reward_metrics=logged)
 
 
 def _num_rows(batch: Any) -> int:

@@ -379,6 +379,7 @@ class Trainer:
             timings.setdefault("rollout_wait", 0.0)
             m = self._rollout_metrics(out, generated.per_func, timings, generated.num_truncated)
             m.update({"rollout/staleness": staleness, "rollout/prefetched": float(generated.prefetched)})
+            m.update(generated.reward_metrics)  # what the reward functions logged with log_metric (TRL's keyword)
             out.meta["metrics"] = m
             self._record("rollout->compute_loss", out.tensor_fields())
             logger.info("rollout: %d completions, reward mean %.4f, %d generated tokens, staleness %d, waited "

@@ -127,8 +127,14 @@ def leave_together() -> None:
     is still tearing its gloo connections down (seen on CPU machines in about one launch in ten: the
     launch then fails with SIGABRT after training finished).
     """
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # objects no longer referenced but kept by a reference cycle (a trainer and its engines, whose sharded
+        # modules hold meshes over the group's sub-groups) are freed now, while the groups they use still exist,
+        # not at interpreter teardown after them
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
