@@ -548,7 +548,7 @@ class Trainer:
             rollout.loss_inputs = LossInputs(loss_normalizer=normalizer, token_normalizer=normalizer)
             request = LogProbs(temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
                                chunk_size=cfg.logprob_chunk_size, with_entropy=True)
-            self._set_entropy_threshold(rollout, request)
+            phases.set_entropy_thresholds(actor, self.dims, [rollout], request, cfg.top_entropy_quantile)
             policy = actor.forward_backward([rollout], self._policy_loss, forward=request)
             m.update(policy.metrics[0])
             loss = policy.losses[0]
@@ -590,17 +590,6 @@ class Trainer:
         value, vst = losses.value_loss(values, rollout, clip=cfg.cliprange_value,
                                        normalizer=rollout.loss_inputs.loss_normalizer)
         return cfg.vf_coef * value, {"loss/value": vst["value"], "value/clip_frac": vst["clip_frac"]}
-
-    def _set_entropy_threshold(self, rollout: Rollout, request: LogProbs) -> None:
-        """`top_entropy_quantile` < 1: the entropy threshold over every rank's tokens, from a forward-only pass
-        before the step (a loss function runs no collective)."""
-        if self.config.top_entropy_quantile >= 1.0:
-            return
-        out = self.actor_engine.forward_backward([rollout], lambda o, _: (o.logp.new_zeros(()), {}), forward=request,
-                                                 forward_only=True, keep_outputs=True).outputs[0]
-        threshold = phases.entropy_threshold(self.dims, out.entropy, rollout.completion_mask,
-                                             self.config.top_entropy_quantile)
-        rollout.loss_inputs = dataclasses.replace(rollout.loss_inputs, entropy_threshold=threshold)
 
     def _importance_weights(self, rollout: Rollout) -> dict[str, Any]:
         """Truncated / masked IS weights of an off-policy rollout (behaviour = the engine's sampling

@@ -8,6 +8,8 @@ on one process as split over several. Forward passes run `micro_batch` rows at a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hf_verl.algorithms.estimators import (
@@ -146,3 +148,18 @@ def entropy_threshold(dims: ParallelDims, entropy: torch.Tensor, mask: torch.Ten
         return None
     values = comm.gather_ragged(dims, entropy.detach()[mask.bool()])
     return entropy_quantile(values, 1.0 - top_quantile)
+
+
+def set_entropy_thresholds(actor: TrainingEngine, dims: ParallelDims, micro_batches: list[RolloutBatch],
+                           request: LogProbs, top_quantile: float) -> None:
+    """TRL's `top_entropy_quantile` for a step: each micro-batch's :func:`entropy_threshold` over every rank's
+    tokens, from a forward-only pass before the step (the step's loss function runs no collective), written into
+    its `loss_inputs`. Nothing to do when `top_quantile` is 1 (every token trains)."""
+    if top_quantile >= 1.0:
+        return
+    request = dataclasses.replace(request, with_entropy=True, with_aux_loss=False)
+    result = actor.forward_backward(micro_batches, lambda out, mb: (out.logp.new_zeros(()), {}), forward=request,
+                                    forward_only=True, keep_outputs=True)
+    for mb, out in zip(micro_batches, result.outputs):
+        threshold = entropy_threshold(dims, out.entropy, mb.completion_mask, top_quantile)
+        mb.loss_inputs = dataclasses.replace(mb.loss_inputs, entropy_threshold=threshold)

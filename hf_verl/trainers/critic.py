@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, TrainerCallback
 
 from hf_verl.engine.base import TrainingEngine
-from hf_verl.engine.step import OptimizerSpec, SchedulerSpec
+from hf_verl.engine.step import OptimizerSpec
+from hf_verl.trainers.engine_glue import scheduler_spec
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,7 @@ def critic_optimizer_spec(args, num_training_steps: int) -> OptimizerSpec:
     return OptimizerSpec(torch.optim.AdamW, {"lr": args.critic_learning_rate or args.learning_rate,
                                              "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
                          weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-                         scheduler=SchedulerSpec(args.lr_scheduler_type, args.get_warmup_steps(num_training_steps),
-                                                 num_training_steps, dict(args.lr_scheduler_kwargs or {})))
+                         scheduler=scheduler_spec(args, num_training_steps))
 
 
 def save_critic(critic: TrainingEngine, output_dir: str, *, with_optimizer: bool) -> None:

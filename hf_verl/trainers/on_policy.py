@@ -466,18 +466,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         return phases.policy_logprobs(self.actor, batch, **self._logprob_kwargs())
 
     def _set_entropy_thresholds(self, micro_batches: list[RolloutBatch], request: LogProbs) -> None:
-        """TRL's `top_entropy_quantile`: each micro-batch's entropy threshold over every rank's tokens, from a
-        forward-only pass before the step (the step's loss function runs no collective); into its
-        `loss_inputs`."""
-        if self.args.top_entropy_quantile >= 1.0:
-            return
-        request = dataclasses.replace(request, with_entropy=True, with_aux_loss=False)
-        result = self.actor.forward_backward(micro_batches, lambda out, mb: (out.logp.new_zeros(()), {}),
-                                             forward=request, forward_only=True, keep_outputs=True)
-        for mb, out in zip(micro_batches, result.outputs):
-            threshold = phases.entropy_threshold(self.dims, out.entropy, mb.completion_mask,
-                                                 self.args.top_entropy_quantile)
-            mb.loss_inputs = dataclasses.replace(mb.loss_inputs, entropy_threshold=threshold)
+        phases.set_entropy_thresholds(self.actor, self.dims, micro_batches, request, self.args.top_entropy_quantile)
 
     def _take_step_metrics(self, result: StepResult, prefix: str = "") -> None:
         """The loss function's metrics of every micro-batch of a step, into the next log."""
