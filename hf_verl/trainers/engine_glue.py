@@ -73,7 +73,6 @@ class EngineOptimizer:
     def __init__(self, engine: TrainingEngine) -> None:
         self.engine = engine
         self._norm: torch.Tensor | None = None
-        self.last_grad_norm: float | None = None
 
     @property
     def param_groups(self) -> list[dict]:
@@ -90,7 +89,6 @@ class EngineOptimizer:
 
     def step(self, closure=None) -> None:
         norm = self.engine.optimizer_step()
-        self.last_grad_norm = norm
         if self._norm is not None:
             self._norm.fill_(float("nan") if norm is None else norm)
             self._norm = None
@@ -125,18 +123,16 @@ class EngineSchedule:
         self.engine.load_scheduler_state_dict(state)
 
 
-def optimizer_spec(trainer, model, *, lr: float | None = None) -> OptimizerSpec:
+def optimizer_spec(trainer, model) -> OptimizerSpec:
     """The :class:`OptimizerSpec` of a Trainer's arguments, as `transformers.Trainer.create_optimizer` would build
     the optimizer: `optim` (or the Trainer's `optimizer_cls_and_kwargs`), transformers' decay / no-decay groups,
-    `max_grad_norm`; `lr` overrides the learning rate (a critic's)."""
+    `max_grad_norm`."""
     args = trainer.args
     if trainer.optimizer_cls_and_kwargs is not None:
         cls, kwargs = trainer.optimizer_cls_and_kwargs
     else:
         cls, kwargs = trainer.get_optimizer_cls_and_kwargs(args, model)
     kwargs = dict(kwargs)
-    if lr is not None:
-        kwargs["lr"] = lr
     for key in ("params", "model", "optimizer_dict"):
         if key in kwargs:
             raise ValueError(f"optim={args.optim!r} builds its optimizer over the model itself ({key}=), which an "
