@@ -55,7 +55,7 @@ def test_next_rollout_is_generated_in_the_background_while_the_caller_steps():
     assert gate.threads[0] is threading.main_thread()
     assert gate.entered.wait(30), "the prefetch did not start"
     one_step(trainer, first)  # runs while the background rollout is blocked inside its reward function
-    assert trainer.global_step == 1 and not trainer._async_rollout.pending["dataset"].future.done()
+    assert trainer.global_step == 1 and not trainer._rounds.pending["dataset"].future.done()
     gate.release.set()
     second = trainer.rollout()
     assert gate.threads[1] is not threading.main_thread()
@@ -75,8 +75,8 @@ def test_prefetched_rows_are_the_rows_the_synchronous_path_draws():
             one_step(trainer, rollout)
     assert async_prompts == sync_prompts
     assert sorted(p for batch in sync_prompts[:4] for p in batch) == sorted(r["prompt"] for r in ROWS)
-    assert async_trainer._async_rollout.prefetcher.copy_engine is not None
-    assert sync_trainer._async_rollout.prefetcher.copy_engine is None
+    assert async_trainer._rounds.prefetcher.copy_engine is not None
+    assert sync_trainer._rounds.prefetcher.copy_engine is None
     async_trainer.close()
 
 
@@ -104,7 +104,7 @@ def test_max_staleness_zero_is_synchronous():
         assert rollout.metrics["rollout/staleness"] == 0 and rollout.metrics["rollout/prefetched"] == 0.0
         one_step(trainer, rollout)
     assert all(t is threading.main_thread() for t in gate.threads) and len(gate.threads) == 3
-    assert trainer._async_rollout.prefetcher.copy_engine is None and not trainer._async_rollout.pending
+    assert trainer._rounds.prefetcher.copy_engine is None and not trainer._rounds.pending
 
 
 def test_staleness_over_the_limit_is_a_clear_error_and_the_prompts_are_kept():
@@ -114,10 +114,10 @@ def test_staleness_over_the_limit_is_a_clear_error_and_the_prompts_are_kept():
         one_step(trainer, mb)
     with pytest.raises(RuntimeError, match=r"staleness 2 exceeds config.max_staleness=1.*max_staleness >= 2"):
         trainer.rollout()
-    pending = trainer._async_rollout.pending["dataset"]
+    pending = trainer._rounds.pending["dataset"]
     trainer.config.max_staleness = 2
     second = trainer.rollout()
-    assert second.metrics["rollout/staleness"] == 2 and second.prompts[::4] == [r["prompt"] for r in pending.batch]
+    assert second.metrics["rollout/staleness"] == 2 and second.prompts[::4] == [r["prompt"] for r in pending.item]
     trainer.config.use_async_rollout = False  # the pending prefetch is regenerated with the current weights
     one_step(trainer, second)
     third = trainer.rollout()
@@ -133,13 +133,13 @@ def copy_params(model):
 def test_copy_engine_is_synced_between_generations_and_never_mutated_during_one():
     trainer = dataset_trainer()
     first = trainer.rollout()
-    copy_engine = trainer._async_rollout.prefetcher.copy_engine
+    copy_engine = trainer._rounds.prefetcher.copy_engine
     assert copy_engine is not trainer.engine and copy_engine.model is not trainer.model
     actor = dict(trainer.model.named_parameters())
     for name, p in copy_engine.model.named_parameters():
         assert torch.equal(p, actor[name]) and p.data_ptr() != actor[name].data_ptr() and not p.requires_grad
     one_step(trainer, first)
-    trainer._async_rollout.pending["dataset"].future.result()  # rollout 2 is done; rollout 3 will block inside generate
+    trainer._rounds.pending["dataset"].future.result()  # rollout 2 is done; rollout 3 will block inside generate
 
     entered, release, seen = threading.Event(), threading.Event(), {}
     generate = copy_engine.generate
@@ -154,7 +154,7 @@ def test_copy_engine_is_synced_between_generations_and_never_mutated_during_one(
 
     copy_engine.generate = blocking_generate
     second = trainer.rollout()  # copy synced to step 1, then rollout 3 generates on it in the background
-    assert entered.wait(30) and trainer._async_rollout.prefetcher.copy_step == 1
+    assert entered.wait(30) and trainer._rounds.prefetcher.copy_step == 1
     actor_at_1 = snapshot(trainer.model)
     assert all(torch.equal(seen["start"][n], p) for n, p in actor_at_1.items())  # copy == actor after sync
     one_step(trainer, second)  # the optimizer moves the actor while the copy generates
@@ -162,10 +162,10 @@ def test_copy_engine_is_synced_between_generations_and_never_mutated_during_one(
     release.set()
     third = trainer.rollout()  # hands out rollout 3, then syncs the copy to step 2 for rollout 4
     assert all(torch.equal(seen["end"][n], p) for n, p in actor_at_1.items())  # untouched while generating
-    assert third.metrics["rollout/staleness"] == 1 and trainer._async_rollout.prefetcher.copy_step == 2
+    assert third.metrics["rollout/staleness"] == 1 and trainer._rounds.prefetcher.copy_step == 2
     assert all(torch.equal(p, actor[n]) for n, p in copy_engine.model.named_parameters())
     trainer.close()
-    assert trainer._async_rollout.prefetcher.copy_engine is None
+    assert trainer._rounds.prefetcher.copy_engine is None
 
 
 def make_own_weights_engine(tok, gate_event):
@@ -205,19 +205,20 @@ def test_engine_with_its_own_weights_is_used_as_is_and_its_sync_is_deferred():
     trainer = make_trainer(tok, actor=tiny_llama(tok), rollout_engine=engine, dataset=ROWS,
                            config={"rollout_batch_size": 2})
     first = trainer.rollout()
-    assert trainer._async_rollout.prefetcher.copy_engine is None
-    assert engine.events == [("generate", True), ("generate", False)]
+    assert trainer._rounds.prefetcher.copy_engine is None
+    # an engine with its own weights gets the actor's before it first generates (a server may hold others)
+    assert engine.events == [("sync", 0), ("generate", True), ("generate", False)]
     metrics = one_step(trainer, first)  # the background generation is still waiting: sync deferred
-    assert metrics["weight_version"] == 0 and ("sync", 0) not in engine.events and trainer._sync_deferred
+    assert metrics["weight_version"] == 1 and ("sync", 1) not in engine.events and trainer._rounds.sync_deferred
     release.set()
     second = trainer.rollout()  # hands out rollout 2, syncs, then starts rollout 3
-    assert engine.events[2] == ("sync", 0) and engine.weight_version == 1
+    assert engine.events[3] == ("sync", 1) and engine.weight_version == 2
     assert second.metrics["rollout/staleness"] == 1 and second.meta["off_policy"]
     assert first.meta["off_policy"]  # another engine's numerics: importance sampling applies from the start
     metrics = one_step(trainer, second)
     assert "sampling/importance_sampling_ratio/mean" in metrics
     trainer.close()  # waits for rollout 3's generation
-    assert engine.events[3] == ("generate", False) and len(engine.events) in (4, 5)
+    assert engine.events[4] == ("generate", False) and len(engine.events) in (5, 6)
 
 
 # ---------------------------------------------------------------------- errors, training
@@ -307,8 +308,8 @@ def test_rollouts_prefetches_each_next_batch_in_order():
         assert [t is threading.main_thread() for t in gate.threads] == [True, False, False]
         for rollout in trainer.rollouts(batches):  # an early break leaves nothing behind
             break
-        assert not trainer._async_rollout.pending
-    assert trainer._async_rollout.prefetcher._executor is None
+        assert not trainer._rounds.pending
+    assert trainer._rounds.prefetcher._executor is None
 
 
 def test_rollouts_without_async_is_sequential():
@@ -316,7 +317,7 @@ def test_rollouts_without_async_is_sequential():
     trainer = make_trainer(reward_model=gate, config={"use_async_rollout": False})
     assert [r.prompts[::4] for r in trainer.rollouts([["abc="], ["xyz a"]])] == [["abc="], ["xyz a"]]
     assert all(t is threading.main_thread() for t in gate.threads)
-    assert trainer._async_rollout.prefetcher.copy_engine is None
+    assert trainer._rounds.prefetcher.copy_engine is None
 
 
 def test_explicit_batches_are_synchronous_and_say_so_once(caplog):
@@ -328,14 +329,14 @@ def test_explicit_batches_are_synchronous_and_say_so_once(caplog):
         one_step(trainer, rollout)
     lines = [r.getMessage() for r in caplog.records if "not prefetched" in r.getMessage()]
     assert len(lines) == 1 and "trainer.rollouts(" in lines[0]
-    assert not trainer._async_rollout.pending and trainer._async_rollout.prefetcher.copy_engine is None
+    assert not trainer._rounds.pending and trainer._rounds.prefetcher.copy_engine is None
 
 
 def test_a_generation_setting_changed_during_a_prefetch_regenerates_its_rows():
     trainer = dataset_trainer()
     first = trainer.rollout()
     one_step(trainer, first)
-    rows = trainer._async_rollout.pending["dataset"].batch
+    rows = trainer._rounds.pending["dataset"].item
     trainer.config.group_size = 2
     second = trainer.rollout()
     assert second.batch_size == 4 and second.prompts[::2] == [r["prompt"] for r in rows]
@@ -348,8 +349,8 @@ def test_close_stops_the_worker_in_bounded_time():
     trainer.rollout()
     t0 = time.perf_counter()
     trainer.close()
-    assert time.perf_counter() - t0 < 30 and trainer._async_rollout.prefetcher._executor is None
-    assert not trainer._async_rollout.pending
+    assert time.perf_counter() - t0 < 30 and trainer._rounds.prefetcher._executor is None
+    assert not trainer._rounds.pending
     assert trainer.rollout().metrics["rollout/prefetched"] == 0.0  # usable again: a new worker
     trainer.close()
 

@@ -1,5 +1,7 @@
 """GRPOTrainer end to end on a tiny model: parameters change, losses finite, metrics logged."""
 
+import threading
+
 import pytest
 import torch
 from datasets import Dataset
@@ -255,7 +257,7 @@ def test_async_rollout_is_one_version_stale_and_trains(tmp_path, steps_per_gener
     trainer = GRPOTrainer(model=model, reward_funcs=counting, args=args, train_dataset=ds, processing_class=tok)
     with caplog.at_level("INFO"):
         trainer.train()
-    assert "does not match the dataloader's rows" not in caplog.text  # prefetched rows = dataloader rows
+    assert "does not match this round's rows" not in caplog.text  # prefetched rows = dataloader rows
     logs = [h for h in trainer.state.log_history if "loss" in h]
     rounds = 4 // steps_per_generation
     assert len(seen) == rounds  # round 0 synchronously, then one prefetch per following round, none beyond
@@ -267,9 +269,23 @@ def test_async_rollout_is_one_version_stale_and_trains(tmp_path, steps_per_gener
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def test_max_staleness_zero_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="max_staleness must be >= 1"):
-        _args(tmp_path, use_async_rollout=True, max_staleness=0)
+def test_max_staleness_zero_rolls_out_synchronously(tmp_path, caplog):
+    """As in the facade (one schema): `max_staleness=0` with `use_async_rollout` generates every round with the
+    current weights, on the main thread, with no actor copy."""
+    tok = build_char_tokenizer()
+    threads = []
+
+    def counting(prompts, completions, **kwargs):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return text_reward(completions)
+
+    args = _args(tmp_path, max_steps=2, use_async_rollout=True, max_staleness=0, gradient_accumulation_steps=1)
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=counting, args=args, processing_class=tok,
+                          train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab"] * 2}))
+    with caplog.at_level("INFO"):
+        trainer.train()
+    assert threads == [True, True] and "generating on a copy of the actor" not in caplog.text
+    assert not any("rollout/staleness" in h for h in trainer.state.log_history)
 
 
 def test_a_round_with_every_completion_masked_out_trains_on_with_zero_loss(tmp_path):

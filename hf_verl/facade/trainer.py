@@ -16,7 +16,7 @@ advantages over the data-parallel round, the policy and value losses, weight syn
 It adds only the loop API: roles that load lazily (:mod:`hf_verl.facade.roles`), a validated live
 :class:`~hf_verl.facade.config.TrainerConfig` with the trainers' vocabulary, trace ids and debug
 records (:mod:`hf_verl.facade.debug`), and asynchronous rollout over the user's batches
-(`rollout()` / `rollouts(batches)`, :mod:`hf_verl.facade.prefetch` on the worker of
+(`rollout()` / `rollouts(batches)`, through the trainers' :mod:`hf_verl.pipeline.orchestrator` on the worker of
 :mod:`hf_verl.pipeline.prefetch`).
 
 Departures from TRL's PPO: the KL to the reference is always a loss term (GRPO style,
@@ -27,7 +27,6 @@ whatever the engine and however stale the rollout).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
@@ -46,22 +45,22 @@ from hf_verl.facade.debug import (
     DEFAULT_DEBUG_FILE,
     DebugRecorder,
     TraceLogger,
+    current_trace_id,
     new_trace_id,
     peak_memory_mb,
     trace,
 )
-from hf_verl.facade.prefetch import END, AsyncRollout, Generated, RolloutHost
 from hf_verl.facade.roles import LazyModel, model_device_dtype, vocab_size
-from hf_verl.facade.rollout import Rollout
+from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
 from hf_verl.parallel import comm
 from hf_verl.parallel.capabilities import parallelism_report, supported_parallelisms
-from hf_verl.pipeline import losses, phases
+from hf_verl.pipeline import generation, losses, phases
+from hf_verl.pipeline.orchestrator import END, Round, RoundHost, RoundOrchestrator
 from hf_verl.pipeline.prefetch import frozen_copy
-from hf_verl.pipeline.rounds import RoundCollector
+from hf_verl.pipeline.rounds import Collected, RoundCollector
 from hf_verl.pipeline.rewards import place_reward_models
-from hf_verl.pipeline.sync import sync_weights
 from hf_verl.pipeline.tool_rollout import ToolRollout, tool_frequencies, tool_metrics
-from hf_verl.rewards.callables import reward_func_name
+from hf_verl.rewards.callables import combine_rewards, reward_func_name
 from hf_verl.rewards.reward_model import resolve_reward_sources
 from hf_verl.rollout.base import RolloutEngine
 
@@ -144,15 +143,13 @@ class Trainer:
         self._pending_loss: torch.Tensor | None = None  # compute_loss ran its backward; step() applies it
         self.global_step = 0
         self._collector: RoundCollector | None = None  # made on first use (the tokenizer may load lazily)
-        self._async_rollout = AsyncRollout(RolloutHost(  # the worker and the prefetched rollouts, by source
-            config=self.config, rows=self._rows, collector=self._round_collector, engine=lambda: self.engine,
-            actor=lambda: self.actor_engine, dims=lambda: self.dims, device=lambda: self.actor_engine.device,
-            global_step=lambda: self.global_step, engine_step=lambda: self._engine_step,
-            sync_deferred=self._sync_deferred_weights, sharded_rewards=lambda: self._sharded_rewards,
-            reward_weights=lambda: self.reward_weights, record=self._record))
-        weakref.finalize(self, self._async_rollout.prefetcher.close, False)
-        self._engine_step = 0  # the actor step the engine's weights are from (engines that own weights)
-        self._sync_deferred = False
+        # the schedule of rollouts (the trainers' too): weight sync, prefetches by source, row seeds
+        self._rounds = RoundOrchestrator(RoundHost(
+            settings=self.config, rows=self._rows, prepare=lambda rows: self._round_collector().tokenize(rows),
+            collect=self._collect, engine=lambda: self.engine, actor=lambda: self.actor_engine,
+            dims=lambda: self.dims, global_step=lambda: self.global_step, version=lambda: self.global_step,
+            check_prefetch=self._check_prefetch), "hf_verl-facade-rollout")
+        weakref.finalize(self, self._rounds.prefetcher.close, False)
         self._explicit_logged = False
         self.config.add_listener(self._on_config_change)
 
@@ -314,15 +311,13 @@ class Trainer:
         is rolled out synchronously: use [`~Trainer.rollouts`] to prefetch batches.
         """
         if batch is None:
-            generated = self._async_rollout.serve(_DATASET, lambda: self._draw(self.config.rollout_batch_size))
-            return self._finish(generated)
-        trace_id = new_trace_id()
-        with trace(trace_id):
+            return self._finish(self._rounds.serve(_DATASET, lambda: self._draw(self.config.rollout_batch_size)))
+        with trace(new_trace_id()):
             if self.config.use_async_rollout and not self._explicit_logged:
                 self._explicit_logged = True
                 logger.info("rollout(batch) with an explicit batch is not prefetched (synchronous); for asynchronous "
                             "rollout over your batches use `for rollout in trainer.rollouts(loader): ...`")
-            return self._finish(self._async_rollout.generate_now(batch, trace_id))
+            return self._finish(self._rounds.generate_now(batch))
 
     def rollouts(self, batches: Iterable[Any]) -> Iterator[Rollout]:
         """One [`Rollout`] per batch of `batches`, generating the next batch while the caller trains.
@@ -343,16 +338,41 @@ class Trainer:
         """
         iterator, key = iter(batches), object()
         try:
-            while (generated := self._async_rollout.serve(key, lambda: next(iterator, END))) is not None:
-                yield self._finish(generated)
+            while (served := self._rounds.serve(key, lambda: next(iterator, END))) is not None:
+                yield self._finish(served)
         finally:
-            self._async_rollout.pending.pop(key, None)  # an early break drops the prefetch; its generation just ends
+            self._rounds.drop(key)  # an early break drops the prefetch; its generation just ends
 
-    def _finish(self, generated: Generated) -> Rollout:
+    def _collect(self, rows: list[dict], tokenized: tuple | None, engine: RolloutEngine, row_seeds: list[int] | None,
+                 version: int | None) -> Collected:
+        """Generate and score through the trainers' collector (the orchestrator's `collect`): reads no trainer
+        role, so it may run off the main thread. Adds the facade's views: dataset columns in the meta, the
+        combined reward, the trace id (the caller's, or a new one on the background thread)."""
+        with trace(current_trace_id() or new_trace_id()) as trace_id:
+            if tokenized is not None:  # None: a tool rollout tokenises per turn
+                self._record("prompts->actor", {"prompt_ids": torch.tensor([len(p) for p in tokenized[0].ids])})
+            c = self._round_collector().collect(rows, engine, device=self.actor_engine.device, row_seeds=row_seeds,
+                                                version=version, tokenized=tokenized)
+            out = c.batch
+            self._record("actor->rollout", out.tensor_fields())
+            for k, v in generation.row_columns(rows).items():
+                out.meta[COLUMN_PREFIX + k] = v
+            out.rewards = combine_rewards(c.rewards_per_func, self.reward_weights).to(out.device)
+            self._record("reward->rollout", {"rewards": out.rewards})
+            out.meta["trace_id"] = trace_id
+        return c
+
+    def _check_prefetch(self) -> None:
+        if self._sharded_rewards:
+            raise ValueError("reward models are sharded with the policy (FSDP2 / ZeRO-3) and score on the main "
+                             "thread: set config.use_async_rollout = False.")
+
+    def _finish(self, served: Round) -> Rollout:
         """The trainer-dependent phases of a rollout, on the main thread with the current roles."""
         if self.dims.replica_size > 1:  # the ranks of one data-parallel replica train on its first rank's rollout
-            generated = comm.broadcast_replica(self.dims, generated)
-        out, timings, cfg = generated.out, generated.timings, self.config
+            served = comm.broadcast_replica(self.dims, served)
+        c, timings, cfg = served.collected, served.timings, self.config
+        out = c.batch
         kw = {"temperature": cfg.temperature if cfg.temperature > 0 else 1.0, "chunk_size": cfg.logprob_chunk_size,
               "micro_batch": out.batch_size}
         with trace(out.meta["trace_id"]):
@@ -371,15 +391,17 @@ class Trainer:
             out.old_logprobs = phases.policy_logprobs(actor, out, **kw)
             t5 = time.perf_counter()
             self._advantages(out)
-            staleness = self.global_step - generated.weights_step
-            out.meta.update(weights_step=generated.weights_step, off_policy=generated.off_policy or staleness > 0)
+            staleness = served.staleness
+            out.meta.update(weights_step=served.weights_step, off_policy=served.off_policy or staleness > 0)
             out.validate()
             timings.update(reference=t3 - t2, critic=t4 - t3, old_logprobs=t5 - t4)
             timings.setdefault("weight_sync", 0.0)
             timings.setdefault("rollout_wait", 0.0)
-            m = self._rollout_metrics(out, generated.per_func, timings, generated.num_truncated)
-            m.update({"rollout/staleness": staleness, "rollout/prefetched": float(generated.prefetched)})
-            m.update(generated.reward_metrics)  # what the reward functions logged with log_metric (TRL's keyword)
+            num_truncated = -(-c.num_truncated // cfg.num_generations)  # distinct prompts
+            m = self._rollout_metrics(out, c.rewards_per_func, timings, num_truncated)
+            m.update({"rollout/staleness": staleness, "rollout/prefetched": float(served.prefetched)})
+            # what the reward functions logged with log_metric (TRL's keyword)
+            m.update({name: sum(v) / len(v) for name, v in c.reward_context.metrics.items() if v})
             out.meta["metrics"] = m
             self._record("rollout->compute_loss", out.tensor_fields())
             logger.info("rollout: %d completions, reward mean %.4f, %d generated tokens, staleness %d, waited "
@@ -652,26 +674,12 @@ class Trainer:
                 m["grad_norm/critic"] = critic.optimizer_step()
                 m["lr/critic"] = critic.last_lr()[0]
             self.global_step += 1
-            if self._async_rollout.prefetcher.busy(self.engine):  # never while it generates: synced before its next generation
-                self._sync_deferred = True
-            else:
-                self._sync_engine()
+            self._rounds.after_step()  # never while it generates: then synced before its next generation
             m.update({"weight_version": self.engine.weight_version, "step": self.global_step, "trace_id": trace_id})
             self._loss_metrics, self._loss_rollout, self._pending_loss = {}, None, None
             logger.info("step %d: grad_norm/actor %.4f, weight_version %d", self.global_step,
                         m["grad_norm/actor"], m["weight_version"])
         return m
-
-    def _sync_engine(self) -> None:
-        """Bring the engine to the actor's weights: a version bump for an engine on the actor itself,
-        else the actor's HF-named full weights streamed in buckets (PEFT adapters merged)."""
-        sync_weights(self.actor_engine, self.engine)
-        self._engine_step, self._sync_deferred = self.global_step, False
-
-    def _sync_deferred_weights(self) -> None:
-        """The weight sync `step()` deferred while a generation ran on the engine, applied now."""
-        if self._sync_deferred:
-            self._sync_engine()
 
     def save_pretrained(self, output_dir: str) -> None:
         """Save the actor (whole HF weights and its tokenizer) to `output_dir` and the critic to
@@ -689,7 +697,7 @@ class Trainer:
         """Stop the background rollout worker (a generation in flight finishes first), drop prefetched
         rollouts and free the actor copy. The Trainer is also a context manager that closes on exit;
         using it again after `close()` starts a new worker."""
-        self._async_rollout.close()
+        self._rounds.close()
 
     def __enter__(self) -> Trainer:
         return self

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from hf_verl.algorithms.advantages import SCALE_REWARDS
+from hf_verl.settings import check_settings
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
 from hf_verl.data.batch import resolve_pad_to_multiple_of
@@ -78,7 +78,7 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossA
     dual_clip: float | None = field(default=None, metadata=_help("Dual-clip constant c > 1; None disables."))
     reward_weights: list[float] | None = field(default=None, metadata=_help("One weight per reward function; default all 1."))
     scale_rewards: str = field(default="group", metadata=_help("'group', 'batch' or 'none' (True/False accepted as in TRL)."))
-    loss_type: str = field(default="dapo", metadata=_help(f"One of {LOSS_TYPES}."))
+    loss_type: str = field(default="dapo", metadata=_help(f"One of {LOSS_TYPES}, or verl's loss_agg_mode names."))
     advantage_estimator: str = field(default="grpo", metadata=_help(
         "Critic-free estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."))
     mask_truncated_completions: bool = field(default=False, metadata=_help("Exclude completions that hit max_completion_length from the loss."))
@@ -147,6 +147,7 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossA
         self._validate()
 
     def _validate(self) -> None:
+        check_settings(self)  # the schema's settings, checked as the facade checks them (hf_verl.settings)
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations must be >= 2 for group-relative advantages, got {self.num_generations}."
@@ -154,23 +155,11 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossA
         if self.vllm_importance_sampling_cap is not None:
             logger.warning("vllm_importance_sampling_cap is deprecated (TRL): it sets vllm_importance_sampling_clip_max.")
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"unknown loss_type {self.loss_type!r}; choose one of {LOSS_TYPES}.")
         if self.advantage_estimator == "gae":
             raise ValueError("advantage_estimator='gae' needs a critic: use PPOTrainer with a value_model.")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"unknown advantage_estimator {self.advantage_estimator!r}; choose one of "
                              f"{tuple(e for e in ADVANTAGE_ESTIMATORS if e != 'gae')}.")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}.")
-        if self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be >= 1, got {self.max_completion_length}.")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}.")
-        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
-            raise ValueError("epsilon and epsilon_high must be > 0.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         self._validate_vllm()
@@ -197,8 +186,6 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossA
             raise ValueError("sync_ref_model=True needs a reference model: set beta > 0.")
         if self.sync_ref_model and not (0.0 <= self.ref_model_mixup_alpha <= 1.0 and self.ref_model_sync_steps >= 1):
             raise ValueError("ref_model_mixup_alpha must be in [0, 1] and ref_model_sync_steps >= 1.")
-        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {self.max_tool_calling_iterations}.")
         if self.generation_kwargs is not None:
             self._check_generation_kwargs()
         if self.do_eval and self.eval_strategy != "no":

@@ -39,10 +39,10 @@ from hf_verl.parallel.precision import amp_dtype
 from hf_verl.engine.step import LogProbs, StepResult
 from hf_verl.parallel import comm
 from hf_verl.pipeline import generation, phases
-from hf_verl.pipeline.prefetch import RolloutPrefetcher, frozen_copy
+from hf_verl.pipeline.orchestrator import END, RoundHost, RoundOrchestrator
+from hf_verl.pipeline.prefetch import frozen_copy
 from hf_verl.pipeline.rewards import place_reward_models
-from hf_verl.pipeline.rounds import Collected, RoundCollector, round_row_seeds, split_generation_kwargs
-from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
+from hf_verl.pipeline.rounds import Collected, RoundCollector, split_generation_kwargs
 from hf_verl.pipeline.tool_rollout import (
     tool_frequencies,
     tool_metrics,
@@ -152,9 +152,12 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         self.model_accepts_loss_kwargs = False
         self._buffer: list[RolloutBatch] | None = None
         self._micro_step: int | None = None  # set from global_step on the first training_step
-        self._engine_step: int | None = None  # global step whose weights an engine with its own weights holds
-        self._pending = None  # asynchronous rollout: (round, weights' round, future)
-        self._prefetcher = RolloutPrefetcher()
+        # the schedule of rounds: engine weight sync, asynchronous rollout, row seeds (the facade's too)
+        self._rounds = RoundOrchestrator(RoundHost(
+            settings=args, rows=lambda rows: rows, prepare=lambda rows: None,
+            collect=lambda rows, _prepared, engine, seeds, _version: self._collect(rows, engine, seeds),
+            engine=lambda: self.engine, actor=lambda: self.actor, dims=lambda: self.dims,
+            global_step=lambda: self.state.global_step, version=self._round_index))
         self.completion_log = CompletionLog(args, self.reward_names, seed=args.seed)
         self._prompt_limit = args.max_prompt_length  # lowered when a colocated engine has fewer positions
         self._collector = RoundCollector(processing_class, self.reward_funcs, args, max_new_tokens=self._max_new_tokens,
@@ -279,26 +282,29 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         a = self.args
         return (self._micro_step or 0) // (a.steps_per_generation * a.num_iterations)
 
-    def _row_seeds(self, g: int, n: int) -> list[int] | None:
-        """With `per_row_sampling_seed`, one sampling seed per row of this rank's part of round `g`
-        (:func:`~hf_verl.pipeline.rounds.round_row_seeds`)."""
-        return round_row_seeds(self.args, g, self.dims.dp_rank, self.dims.dp_size, n)
-
     # ------------------------------------------------------------------ rollout phases
     def _sync_engine(self) -> None:
         """Bring the rollout engine to the actor's weights once per optimizer step (a version bump for
         an engine on the actor itself; a bucketed stream for vLLM, a server or a replica)."""
-        if shares_actor_weights(self.engine, self.actor) or self._engine_step == self.state.global_step:
-            return
-        self._metrics["timing_s/weight_sync"].append(sync_weights(self.actor, self.engine))
-        self._engine_step = self.state.global_step
+        seconds = self._rounds.sync_engine()
+        if seconds is not None:
+            self._metrics["timing_s/weight_sync"].append(seconds)
 
     def _rollout_round(self, rows: list[dict]) -> list[RolloutBatch]:
-        if getattr(self.args, "use_async_rollout", False):
-            return self._async_rollout_round(rows)
-        self._sync_engine()
-        seeds = self._row_seeds(self._round_index(), len(rows))
-        return self._finish_collected(self._collect(rows, self.engine, seeds))
+        """Round `g` through the orchestrator: with `use_async_rollout`, served from the prefetch started at round
+        g-1 (one version old) while round g+1 is generated in the background with the current weights, so that
+        generation overlaps this round's updates; else generated now."""
+        a = self.args
+        per_round = a.steps_per_generation * a.num_iterations
+        g = self._round_index()
+        last = (g + 1) * per_round >= self.state.max_steps * a.gradient_accumulation_steps
+        prompts = [r.get("prompt", r.get("input_ids")) for r in rows]
+        served = self._rounds.serve(
+            "train", lambda: rows, (lambda: END) if last else (lambda: self._round_rows(g + 1)), index=g,
+            matches=lambda item: [r.get("prompt", r.get("input_ids")) for r in item] == prompts)
+        if self._rounds.prefetching():
+            self._metrics["rollout/staleness"].append(float(served.staleness))
+        return self._finish_collected(served.collected)
 
     def _collect(self, rows: list[dict], engine: RolloutEngine, row_seeds: list[int] | None = None) -> Collected:
         """Tokenise, generate and score (:class:`~hf_verl.pipeline.rounds.RoundCollector`, the facade's too): no
@@ -349,55 +355,10 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             extra[column] = list(values) + [None] * (batch.batch_size - len(values))
         batch.meta["log_extra"] = extra
 
-    # ------------------------------------------------------------------ asynchronous rollout
-    def _async_rollout_round(self, rows: list[dict]) -> list[RolloutBatch]:
-        """Serve round g from the rollout prefetched during round g-1 (one weight version old),
-        then start generating round g+1 with the current weights in a background thread, so
-        that generation overlaps this round's updates."""
-        args = self.args
-        per_round = args.steps_per_generation * args.num_iterations
-        g = self._micro_step // per_round
-        collected, weights_round = None, g
-        if self._pending is not None and self._pending[0] == g:
-            weights_round, future = self._pending[1], self._pending[2]
-            collected = future.result()
-            if [r.get("prompt", r.get("input_ids")) for r in collected.rows] != \
-                    [r.get("prompt", r.get("input_ids")) for r in rows]:
-                logger.warning("prefetched rollout of round %d does not match the dataloader's rows; "
-                               "rolling out synchronously", g)
-                collected, weights_round = None, g
-        self._pending = None
-        engine = self._async_rollout_engine()
-        if collected is None:
-            self._sync_async_engine(engine)
-            collected = self._collect(rows, engine, self._row_seeds(g, len(rows)))
-        if (g + 1) * per_round < self.state.max_steps * args.gradient_accumulation_steps:
-            self._sync_async_engine(engine)
-            next_rows = self._round_rows(g + 1)
-            future = self._prefetcher.submit(engine, self._collect, next_rows, engine,
-                                             self._row_seeds(g + 1, len(next_rows)))
-            self._pending = (g + 1, g, future)
-        staleness = g - weights_round
-        if staleness > args.max_staleness:  # cannot happen with a one-round prefetch; guards future changes
-            raise RuntimeError(f"rollout of round {g} is {staleness} versions old (max_staleness={args.max_staleness}).")
-        self._metrics["rollout/staleness"].append(float(staleness))
-        return self._finish_collected(collected)
-
-    def _async_rollout_engine(self) -> RolloutEngine:
-        """The engine itself when it has its own weights (vLLM, a server, a replica); else a transformers
-        engine on a copy of the actor (training moves the actor while the next round is generated)."""
-        return self._prefetcher.engine_for(self.engine, self.actor, self.state.global_step)
-
-    def _sync_async_engine(self, engine: RolloutEngine) -> None:
-        if engine is self.engine:
-            self._sync_engine()
-            return
-        self._metrics["timing_s/weight_sync"].append(self._prefetcher.sync_copy(self.actor, self.state.global_step))
-
     @property
     def _async_engine(self) -> RolloutEngine | None:
         """The actor copy asynchronous rollout generates on (None until made, or when not needed)."""
-        return self._prefetcher.copy_engine
+        return self._rounds.prefetcher.copy_engine
 
     def _round_rows(self, g: int) -> list[dict]:
         """This rank's rows of global round `g`, computed from the sampler as the dataloader will
@@ -610,12 +571,12 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
 
     # ------------------------------------------------------------------ loop
     def train(self, *args, **kwargs):
-        self._buffer, self._micro_step, self._pending = None, None, None
+        self._buffer, self._micro_step = None, None
+        self._rounds.close()
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._prefetcher.close()  # a prefetch still running finishes; its result is dropped
-            self._pending = None
+            self._rounds.close()  # a prefetch still running finishes; its result is dropped
 
     def _train_window(self, window: list) -> list[torch.Tensor]:
         """One optimizer step's micro-batches: each micro-step's batch from the round buffer (a new round is rolled

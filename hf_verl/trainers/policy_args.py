@@ -10,7 +10,6 @@ name (``vanilla``, ``gspo``, ``cispo``, ``sapo``, ...) and keeps the aggregation
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,15 +60,10 @@ class PolicyLossArguments:
     entropy_target: float = field(default=0.2, metadata=_help("Adaptive entropy target (nats per token)."))
 
     def _validate_policy_loss(self) -> None:
-        if self.importance_sampling_level not in IS_LEVELS:
-            raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got "
-                             f"{self.importance_sampling_level!r}.")
+        # the schema's settings (importance_sampling_level, policy_loss, top_entropy_quantile, ...) are checked by
+        # hf_verl.settings.check_settings, as the facade checks them
         if self.policy_loss is not None:
             resolve_policy_loss(self.policy_loss)  # raises with the known names
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}.")
-        if self.off_policy_mask_threshold is not None and not math.isfinite(self.off_policy_mask_threshold):
-            raise ValueError("off_policy_mask_threshold must be a finite number or None.")
         if self.use_adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
             raise ValueError(f"entropy_coef_min ({self.entropy_coef_min}) must be <= entropy_coef_max "
                              f"({self.entropy_coef_max}).")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
+from hf_verl.settings import check_settings
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.policy_loss import resolve_aggregation
 from hf_verl.trainers.parallel_args import ParallelArguments
@@ -158,6 +159,7 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossAr
         return self.num_ppo_epochs
 
     def _validate(self) -> None:
+        check_settings(self)  # the schema's settings, checked as the facade checks them (hf_verl.settings)
         checks = [
             (self.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}."),
             (self.advantage_estimator in ADVANTAGE_ESTIMATORS,
@@ -168,8 +170,7 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossAr
             (self.num_mini_batches >= 1, f"num_mini_batches must be >= 1, got {self.num_mini_batches}."),
             (self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}."),
             (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}."),
-            (self.cliprange > 0 and self.cliprange_value > 0, "cliprange and cliprange_value must be > 0."),
-            (0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}."),
+            (self.cliprange > 0, "cliprange must be > 0."),
             (self.temperature > 0, f"temperature must be > 0 for PPO sampling, got {self.temperature}."),
             (self.stop_token in (None, "eos"), f"stop_token must be 'eos' or None, got {self.stop_token!r}."),
             (not (self.stop_token and self.stop_token_id is not None), "set stop_token or stop_token_id, not both."),

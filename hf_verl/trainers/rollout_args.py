@@ -22,7 +22,8 @@ def _help(text: str) -> Any:
 class RolloutArguments:
     use_async_rollout: bool = field(default=False, metadata=_help(
         "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
-    max_staleness: int = field(default=1, metadata=_help("Most weight versions a rollout may lag behind (>= 1)."))
+    max_staleness: int = field(default=1, metadata=_help(
+        "Most rounds of weight updates a rollout may lag behind; 0 makes use_async_rollout synchronous."))
     logprob_chunk_size: int = field(default=1024, metadata=_help(
         "Positions per chunk when scoring log-probs, at most: fewer above a 64k vocabulary, where a chunk's "
         "fp32 logits stay within 256 MiB."))
@@ -42,11 +43,6 @@ class RolloutArguments:
         "do not depend on how rows are split over processes."))
 
     def _validate_rollout(self) -> None:
-        if self.max_staleness < 1:
-            raise ValueError(f"max_staleness must be >= 1 (got {self.max_staleness}); for strictly on-policy "
-                             "rollout set use_async_rollout=False.")
-        if self.logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}.")
         if self.per_row_sampling_seed and getattr(self, "use_vllm", False) and getattr(self, "vllm_mode", "") == "server":
             raise ValueError("per_row_sampling_seed cannot be honoured by a server (rows are batched into "
                              "requests): turn it off, or use vllm_mode='colocate'.")

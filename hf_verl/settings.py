@@ -1,0 +1,244 @@
+"""The settings schema of hf_verl: every RL setting declared once, checked by one mechanism.
+
+Each :class:`Setting` holds a default, the accepted types, a range check and the words describing it.
+:func:`check_setting` is the one validation mechanism: an accepted value (an int where a float is asked is
+widened), or a `TypeError` / `ValueError` that names the owner and the setting and states what is valid. Two
+front-ends read the schema:
+
+- the TRL-style configs (`GRPOConfig`, `PPOConfig`) run :func:`check_settings` on every schema setting they
+  carry (:attr:`Setting.trainers`), before their own cross-field rules (TRL's, kept with TRL's messages);
+- the facade's :class:`~hf_verl.facade.config.TrainerConfig` *is* the schema: its attributes are
+  :data:`SETTINGS`, checked on every assignment.
+
+Names and defaults are those of the TRL-style configs (GRPOConfig; PPOConfig for the critic's knobs), so a
+setting means one thing with one default wherever it is written; :data:`FACADE_DEFAULTS` lists the facade's few
+departures (each with its reason). Settings with `trainers=False` are the facade's alone (the trainers take them
+from `TrainingArguments`, or do not have the concept).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from hf_verl.algorithms.advantages import SCALE_REWARDS
+from hf_verl.algorithms.estimators import CRITIC_FREE_ESTIMATORS
+from hf_verl.algorithms.importance import IS_MODES
+from hf_verl.algorithms.kl import KL_ESTIMATORS
+from hf_verl.algorithms.policy_loss import LOSS_TYPES, VERL_AGGREGATIONS
+from hf_verl.algorithms.policy_losses import IS_LEVELS, resolve_policy_loss
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its default, accepted types, a range check and the words describing it.
+
+    Attributes:
+        trainers (`bool`): whether the TRL-style configs validate it too (where they carry it).
+    """
+
+    default: Any
+    types: tuple[type, ...]
+    check: Callable[[Any], bool]
+    valid: str
+    help: str
+    trainers: bool = True
+
+
+Field = Setting  # the facade's earlier name
+
+_SIZE_RE = re.compile(r"^\s*\d+(\.\d+)?\s*[KMBT]?\s*$", re.IGNORECASE)
+
+
+def _pos_int(v) -> bool:
+    return v >= 1
+
+
+def _nonneg(v) -> bool:
+    return math.isfinite(v) and v >= 0
+
+
+def _pos(v) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+def _unit(v) -> bool:
+    return 0.0 <= v <= 1.0
+
+
+def _size(v) -> bool:
+    return v is None or (isinstance(v, int) and v > 0) or (isinstance(v, str) and bool(_SIZE_RE.match(v)))
+
+
+_NONE = type(None)
+
+
+def _known_policy_loss(name: str) -> bool:
+    try:
+        resolve_policy_loss(name)
+    except ValueError:
+        return False
+    return True
+
+
+# the critic-free estimators the facade runs (ReMax's greedy baseline and the optimal-token baselines' sampling
+# statistics are the trainers' only)
+CRITIC_FREE_CHOICES = tuple(e for e in CRITIC_FREE_ESTIMATORS if e != "remax" and "optimal_token_baseline" not in e)
+_ESTIMATORS = ("auto", "gae", *CRITIC_FREE_CHOICES)
+
+# The names and defaults are those of the TRL-style configs (GRPOConfig for what GRPO has, PPOConfig
+# for the critic's knobs): one vocabulary and one default per concept across the library.
+SETTINGS: dict[str, Setting] = {
+    "rollout_batch_size": Setting(16, (int,), _pos_int, "an int >= 1",
+                                "Prompts drawn per `rollout()` (per data-parallel rank) when it is called without a "
+                                "batch.", trainers=False),
+    "num_generations": Setting(8, (int,), _pos_int, "an int >= 1", "Completions generated per prompt (the group size)."),
+    "max_completion_length": Setting(512, (int,), _pos_int, "an int >= 1", "Maximum tokens generated per completion."),
+    "max_prompt_length": Setting(512, (int, _NONE), lambda v: v is None or v >= 1, "None or an int >= 1",
+                               "Prompts are left-truncated to this many tokens; None keeps them whole."),
+    "temperature": Setting(1.0, (float,), _nonneg, "a finite float >= 0 (0 is greedy)", "Sampling temperature."),
+    "top_p": Setting(1.0, (float,), lambda v: 0.0 < v <= 1.0, "a float in (0, 1]", "Nucleus sampling mass."),
+    "top_k": Setting(0, (int,), lambda v: v >= 0, "an int >= 0 (0 disables it)", "Top-k sampling."),
+    "min_p": Setting(None, (float, _NONE), lambda v: v is None or 0.0 <= v <= 1.0, "None or a float in [0, 1]",
+                   "Min-p sampling; None disables it (GRPOConfig's field)."),
+    "repetition_penalty": Setting(1.0, (float,), lambda v: v > 0.0, "a float > 0",
+                                "Repetition penalty; 1.0 disables it (GRPOConfig's field)."),
+    "stop": Setting(None, (list, _NONE), lambda v: v is None or all(isinstance(x, str) for x in v),
+                  "None or a list of strings", "Stop strings that end a completion (GRPOConfig's field)."),
+    "max_tool_calling_iterations": Setting(None, (int, _NONE), lambda v: v is None or v >= 0, "None or an int >= 0",
+                                         "With tools: most tool-calling rounds per completion; None: no limit but "
+                                         "max_completion_length, which bounds the whole multi-turn completion."),
+    "advantage_estimator": Setting("auto", (str,), lambda v: v in _ESTIMATORS, f"one of {_ESTIMATORS}",
+                                 "Advantage estimator: 'auto' is 'gae' with a critic and 'grpo' without.", trainers=False),
+    "scale_rewards": Setting("group", (str,), lambda v: v in SCALE_REWARDS, f"one of {SCALE_REWARDS}",
+                           "GRPO: divide by the group's reward std ('group'), the batch's, or not at all."),
+    "gamma": Setting(1.0, (float,), _unit, "a float in [0, 1]", "Discount factor (GAE, REINFORCE++)."),
+    "lam": Setting(0.95, (float,), _unit, "a float in [0, 1]", "GAE lambda."),
+    "whiten_advantages": Setting(True, (bool,), lambda v: True, "True or False",
+                               "Whiten GAE advantages over the rollout's tokens (as TRL and verl do).", trainers=False),
+    "epsilon": Setting(0.2, (float,), _pos, "a finite float > 0", "PPO ratio clip range (lower, and upper by default)."),
+    "epsilon_high": Setting(None, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
+                          "Upper clip range (clip-higher); None: epsilon."),
+    "cliprange_value": Setting(0.2, (float,), _pos, "a finite float > 0",
+                             "Clip range of the value loss around the rollout's values."),
+    "beta": Setting(0.0, (float,), _nonneg, "a finite float >= 0",
+                  "Weight of the KL-to-reference loss term; 0 disables it."),
+    "kl_estimator": Setting("k3", (str,), lambda v: v in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}", "KL estimator.", trainers=False),
+    "entropy_coef": Setting(0.0, (float,), _nonneg, "a finite float >= 0", "Weight of the entropy bonus."),
+    "vf_coef": Setting(0.1, (float,), _nonneg, "a finite float >= 0", "Weight of the value loss."),
+    "loss_type": Setting("dapo", (str,), lambda v: v in LOSS_TYPES or v in VERL_AGGREGATIONS,
+                       f"one of {LOSS_TYPES} or verl's {tuple(VERL_AGGREGATIONS)}",
+                       "TRL's loss type: the aggregation of per-token losses and, for cispo / sapo / vespo, the loss "
+                       "form (see hf_verl.algorithms.policy_loss); verl's loss_agg_mode names also work."),
+    "policy_loss": Setting(None, (str, _NONE), lambda v: v is None or _known_policy_loss(v),
+                         "None or a policy loss name (hf_verl.algorithms.policy_losses)",
+                         "The loss form by verl's name (vanilla, gspo, cispo, sapo, ...); None: loss_type's."),
+    "importance_sampling_level": Setting("token", (str,), lambda v: v in IS_LEVELS, f"one of {IS_LEVELS}",
+                                       "'sequence': one ratio per sequence (GSPO)."),
+    "delta": Setting(None, (float, _NONE), lambda v: v is None or v > 1.0, "None or a float > 1",
+                   "Two-sided clipping: cap the ratio at delta in the unclipped branch."),
+    "sapo_temperature_pos": Setting(1.0, (float,), _pos, "a finite float > 0", "SAPO gate temperature, A > 0."),
+    "sapo_temperature_neg": Setting(1.05, (float,), _pos, "a finite float > 0", "SAPO gate temperature, A <= 0."),
+    "off_policy_mask_threshold": Setting(None, (float, _NONE), lambda v: v is None or math.isfinite(v),
+                                       "None or a finite float",
+                                       "Drop negative-advantage sequences whose mean sampling/current log-ratio "
+                                       "exceeds it (off-policy sequence masking)."),
+    "use_bias_correction_kl": Setting(True, (bool,), lambda v: True, "True or False",
+                                    "Multiply the KL term by the importance ratio current/old (TRL's default)."),
+    "top_entropy_quantile": Setting(1.0, (float,), _unit, "a float in [0, 1]",
+                                  "Train only on the top fraction of tokens by entropy (1.0: all)."),
+    "learning_rate": Setting(1e-6, (float,), _pos, "a finite float > 0", "Actor AdamW learning rate.", trainers=False),
+    "critic_learning_rate": Setting(None, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
+                                  "Critic AdamW learning rate; None: learning_rate.", trainers=False),
+    "weight_decay": Setting(0.0, (float,), _nonneg, "a finite float >= 0", "AdamW weight decay (both roles).", trainers=False),
+    "max_grad_norm": Setting(1.0, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
+                           "Gradient-norm clip per role; None disables clipping.", trainers=False),
+    "logprob_chunk_size": Setting(1024, (int,), _pos_int, "an int >= 1",
+                                "Positions per log-prob chunk, at most: fewer above a 64k vocabulary, where a "
+                                "chunk's fp32 logits stay within 256 MiB."),
+    "device": Setting(None, (str, _NONE), lambda v: True, "None or a device string such as 'cpu' or 'cuda:0'",
+                    "Where roles loaded from a Hub id / path go; None: this rank's CUDA device if any, else CPU.", trainers=False),
+    "dtype": Setting("auto", (str,), lambda v: v in ("auto", "float32", "bfloat16", "float16"),
+                   "'auto', 'float32', 'bfloat16' or 'float16'", "dtype of roles loaded from a Hub id / path.", trainers=False),
+    "model_size": Setting(None, (int, str, _NONE), _size,
+                        "None, an int number of parameters, or a string like '7B' / '500M'",
+                        "Actor size, read by the parallel-layout planner; None: counted once loaded.", trainers=False),
+    "debug_path": Setting(None, (str, _NONE), lambda v: True, "None or a file path",
+                        "JSONL file of debug-mode records; None: `hf_verl_debug.jsonl` in the cwd.", trainers=False),
+    "sequence_parallel_size": Setting(1, (int,), lambda v: v >= 1, "an int >= 1",
+                                    "Ulysses sequence-parallel degree: each rollout row's sequence is split over this "
+                                    "many processes of the launch (read when the roles are first laid out)."),
+    "seed": Setting(42, (int,), lambda v: True, "an int", "The run's seed: the dataset draw order and per-row seeds.", trainers=False),
+    "per_row_sampling_seed": Setting(False, (bool,), lambda v: True, "True or False",
+                                   "Sample each completion from its own stream seeded by (seed, rollout, row): "
+                                   "rollouts then do not depend on how rows are batched or split over ranks."),
+    "use_async_rollout": Setting(False, (bool,), lambda v: True, "True or False",
+                                 "Generate and score the next round in a background thread while the current one "
+                                 "trains (the facade: `rollout()` without a batch, and `rollouts(...)`; an explicit "
+                                 "`rollout(batch)` is always synchronous). The facade's default is True."),
+    "max_staleness": Setting(1, (int,), lambda v: v >= 0, "an int >= 0",
+                           "Most policy versions a rollout's weights may lag behind the actor when it is "
+                           "handed out (the facade: optimizer steps; the trainers: rounds); 0 makes async rollout "
+                           "synchronous."),
+    "vllm_importance_sampling_correction": Setting(
+        True, (bool,), lambda v: True, "True or False",
+        "Weight the policy loss of off-policy rollouts (stale, or sampled by an engine with its own weights) by "
+        "truncated / masked importance sampling."),
+    "vllm_importance_sampling_mode": Setting("sequence_mask", (str,), lambda v: v in IS_MODES, f"one of {IS_MODES}",
+                                           "How the behaviour/actor ratio is bounded (hf_verl.algorithms.importance)."),
+    "vllm_importance_sampling_clip_min": Setting(None, (float, _NONE), lambda v: v is None or _nonneg(v),
+                                               "None or a finite float >= 0", "Lower ratio bound; None: unbounded."),
+    "vllm_importance_sampling_clip_max": Setting(3.0, (float, _NONE), lambda v: v is None or _pos(v),
+                                               "None or a finite float > 0", "Upper ratio bound (the cap)."),
+    "generation_kwargs": Setting(None, (dict, _NONE), lambda v: v is None or all(isinstance(k, str) for k in v),
+                                 "None or a dict of sampling / transformers GenerationConfig settings",
+                                 "Sampling settings that override the fields above (TRL's precedence); other "
+                                 "GenerationConfig fields reach the transformers engine only."),
+    "chat_template_kwargs": Setting(None, (dict, _NONE), lambda v: v is None or all(isinstance(k, str) for k in v),
+                                    "None or a dict", "Extra keyword arguments of the chat template (enable_thinking, "
+                                    "...)."),
+    "dual_clip": Setting(None, (float, _NONE), lambda v: v is None or (math.isfinite(v) and v > 1.0),
+                         "None or a finite float > 1", "Dual-clip constant c for negative advantages; None disables."),
+    "vespo_k_pos": Setting(2.0, (float,), _pos, "a finite float > 0", "VESPO gamma-weight power, A >= 0."),
+    "vespo_lambda_pos": Setting(3.0, (float,), _pos, "a finite float > 0", "VESPO gamma-weight rate, A >= 0."),
+    "vespo_k_neg": Setting(3.0, (float,), _pos, "a finite float > 0", "VESPO gamma-weight power, A < 0."),
+    "vespo_lambda_neg": Setting(2.0, (float,), _pos, "a finite float > 0", "VESPO gamma-weight rate, A < 0."),
+}
+
+# the facade's departures from the trainers' defaults
+FACADE_DEFAULTS: dict[str, Any] = {
+    "use_async_rollout": True,  # the seed article's key default; the TRL-style trainers keep TRL's False
+}
+
+
+def check_setting(owner: str, name: str, value: Any, spelled: str | None = None) -> Any:
+    """The one validation of a setting: `value` as accepted (an int widened where a float is asked), else an error
+    naming `owner.name` (`spelled`, when the user wrote an alias) and what is valid.
+
+    Raises:
+        `TypeError`: the value's type is not accepted; `ValueError`: it is out of range.
+    """
+    f = SETTINGS[name]
+    label = name if spelled in (None, name) else f"{spelled} ({name})"
+    if float in f.types and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # 1 is a fine learning-rate-like float
+    if list in f.types and isinstance(value, tuple):
+        value = list(value)
+    bad_bool = isinstance(value, bool) and bool not in f.types
+    if bad_bool or not isinstance(value, f.types):
+        raise TypeError(f"{owner}.{label} must be {f.valid}, got {type(value).__name__} {value!r}.")
+    if not f.check(value):
+        raise ValueError(f"{owner}.{label} must be {f.valid}, got {value!r}.")
+    return value
+
+
+def check_settings(config: Any, names: Iterable[str] | None = None) -> None:
+    """Check every schema setting `config` carries (those marked `trainers`, or `names`) with
+    :func:`check_setting`, writing back the accepted (widened) values."""
+    owner = type(config).__name__
+    for name in names if names is not None else (n for n, s in SETTINGS.items() if s.trainers):
+        if hasattr(config, name):
+            setattr(config, name, check_setting(owner, name, getattr(config, name)))
