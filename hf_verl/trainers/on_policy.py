@@ -8,9 +8,11 @@ scored by the reward sources, and turned into micro-batches by the algorithm's `
 logging, callbacks, `report_to`, checkpointing and resuming are the Trainer's own.
 
 Every model role is a training engine (:mod:`hf_verl.engine`, laid out by the launch's backend:
-plain, DDP, FSDP2 or ZeRO) and every phase is a function of :mod:`hf_verl.pipeline`; this class
-decides when they run. A subclass provides `_finish_round(batch, rows, rewards_per_func, timings)`
-and `_micro_batch_losses(batch) -> [(engine, loss), ...]`. Its config must carry: num_generations,
+plain, DDP, FSDP2 or ZeRO) and every phase is a function of :mod:`hf_verl.pipeline`; the schedule of
+rounds (weight sync, asynchronous rollout, row seeds) is the :class:`~hf_verl.pipeline.orchestrator.RoundOrchestrator`
+the facade runs too. An algorithm subclass provides `_finish_round(batch, rows, rewards_per_func, timings)`
+(a generated round -> micro-batches with their `LossInputs`) and `_engine_windows(micro_batches, loss_scale)`
+(each trained role's `forward_backward`). Its config must carry: num_generations,
 per_device_train_batch_size, steps_per_generation, num_iterations, max_prompt_length,
 shuffle_dataset, seed, temperature, logprob_chunk_size, reward_weights, per_row_sampling_seed and the
 sampling fields named in `_sampling_params`.
