@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-n", type=int, default=64, help="Cap on completions per prompt in one request.")
     serve.add_argument("--max-tokens", type=int, default=8192, help="Cap on max_tokens of one request.")
     serve.add_argument("--max-prompts", type=int, default=1024, help="Cap on prompts in one request.")
+    serve.add_argument("--max-batch-rows", type=int, default=256,
+                       help="Completions that concurrent requests sampling alike may share in one engine call.")
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                        help="--engine vllm: share of GPU memory (on CPU: of host memory) vLLM reserves.")
     return parser
@@ -73,7 +75,7 @@ def run_serve(args) -> int:
     names = args.served_model_name or [args.model]
     server = RolloutServer(engine, tokenizer, names[0], host=args.host, port=args.port, token=token,
                            served_model_names=names, max_n=args.max_n, max_tokens=args.max_tokens,
-                           max_prompts=args.max_prompts)
+                           max_prompts=args.max_prompts, max_batch_rows=args.max_batch_rows)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

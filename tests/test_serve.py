@@ -6,6 +6,7 @@ import json
 import socket
 import time
 import urllib.request
+from urllib.parse import urlparse
 
 import pytest
 import torch
@@ -96,7 +97,8 @@ def test_a_killed_upload_leaves_the_old_weights_serving(served):
     from safetensors.torch import save
 
     before = RemoteEngine(server.address).generate(_prompts(tok), GREEDY).completion_ids
-    host, port = server.httpd.server_address[:2]
+    address = urlparse(server.address)
+    host, port = address.hostname, address.port
     # 1) a complete first bucket of an update whose last bucket never comes
     body = save({"model.norm.weight": torch.zeros_like(model.model.norm.weight)})
     conn = http.client.HTTPConnection(host, port)
@@ -306,9 +308,15 @@ def test_the_openai_client_streams_and_gets_the_same_completion(served):
     assert [c.index for c in whole.choices] == [0, 1] and all(c.text is not None for c in whole.choices)
     chunks = list(client.completions.create(model="tiny", prompt=["abc", "hello"], max_tokens=5, temperature=0,
                                             stream=True))
-    streamed = {c.index: c.text for chunk in chunks for c in chunk.choices}
+    streamed = {}
+    for chunk in chunks:  # a chunk per choice per token, each with its choice; no usage unless asked
+        assert len(chunk.choices) == 1 and chunk.usage is None
+        streamed[chunk.choices[0].index] = streamed.get(chunk.choices[0].index, "") + chunk.choices[0].text
     assert streamed == {c.index: c.text for c in whole.choices}  # greedy: the same text, served as events
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert len(chunks) == whole.usage.completion_tokens
+    chunks = list(client.completions.create(model="tiny", prompt=["abc", "hello"], max_tokens=5, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_an_unknown_model_is_404_and_served_names_are_configurable(served):

@@ -1,98 +1,105 @@
 """`hf-verl serve`: an OpenAI-compatible rollout server with versioned, token-protected weight updates.
 
-Routes:
+Routes (FastAPI on uvicorn; the OpenAPI page is `/docs`, its schema `/openapi.json`):
 
 - `GET /health`, `GET /v1/models`, `GET /v1/weights/version`;
-- `POST /v1/completions`: OpenAI's completions request (`prompt` as text, token ids, or a list of
-  either; `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `stop`,
-  `n`, `seed`, `logprobs`, `stream`); every choice carries `token_ids` and its sampled-token
-  log-probs, and the response carries the `weight_version` it was generated with. With
-  `stream=true` the answer is server-sent events (one chunk per choice, then `data: [DONE]`: the
-  engine generates whole completions, so a chunk holds a whole choice). A `model` other than the
-  served name is answered 404, as vLLM does. Requests beyond the caps on `n`, `max_tokens` and
-  prompts per request are answered 400 with the cap;
-- `POST /v1/weights` (bearer token required): one bucket of HF-named tensors as a safetensors
-  body (`?update=<id>&index=<i>&last=0|1`), or a JSON body `{"path": "<safetensors file or
-  folder>"}`. Buckets are staged and applied together when the last one arrives, under the lock
-  that generation holds, so a partial update is never served; a client that dies mid-upload
-  leaves the old weights serving (its staged buckets expire).
+- `POST /v1/completions`: OpenAI's completions request (:class:`~hf_verl.serve.schema.CompletionRequest`:
+  `prompt` as text, token ids, or a list of either; `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`,
+  `repetition_penalty`, `stop`, `n`, `seed`, `logprobs`, `stream`, `stream_options`); every choice carries
+  `token_ids` and its sampled-token log-probs, and the response the `weight_version` it was generated with;
+- `POST /v1/chat/completions`: the same over `messages`, rendered by the tokenizer's chat template (400 when
+  it has none);
+- `POST /v1/weights` (bearer token required): one bucket of HF-named tensors as a safetensors body
+  (`?update=<id>&index=<i>&last=0|1`), or a JSON body `{"path": "<safetensors file or folder>"}`
+  (:mod:`hf_verl.serve.weights`: staged, checked, applied at once under the generation lock).
 
-Bucket bodies are read straight into tensors and staged as views into them
-(:mod:`hf_verl.rollout.tensor_wire`), so staging holds one copy of the update in host memory
-until it completes (one model copy on the server side; the trainer side streams bucket by
-bucket, sending from the parameters' own memory). Uses only the standard library's
-HTTP server (threaded), so it runs wherever hf_verl runs.
+With `stream=true` the answer is server-sent events, one chunk per choice per generated token
+(:mod:`hf_verl.serve.streaming`), every chunk with one choice; a last chunk with `usage` (and empty
+`choices`) only with `stream_options.include_usage`; then `data: [DONE]`. A malformed request is a 400 that
+names the field (:mod:`hf_verl.serve.errors`); a `model` other than the served names is a 404, as vLLM
+answers; requests beyond the caps on `n`, `max_tokens` and prompts are a 400 naming the cap. Concurrent
+requests that sample alike are generated in one engine call (:mod:`hf_verl.serve.batching`).
+
+The server binds 127.0.0.1 by default and refuses another interface without a token (:mod:`hf_verl.serve.auth`).
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
-import json
+import contextlib
 import logging
-import os
+import socket
 import threading
 import time
-import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
-
-import torch
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from hf_verl.rollout.base import RolloutEngine, SamplingParams
+from hf_verl.serve.auth import TOKEN_ENV, is_loopback, read_token  # noqa: F401 (the public names of this module)
+from hf_verl.serve.batching import RequestBatcher
+from hf_verl.serve.errors import ServeError, describe_validation_error
+from hf_verl.serve.responses import Answer, usage
+from hf_verl.serve.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+from hf_verl.serve.streaming import steppable, stepped_deltas, whole_deltas
+from hf_verl.serve.weights import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "HF_VERL_SERVE_TOKEN"
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port); port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({err}); pick another --port or stop what holds it") from None
+    sock.listen(2048)
+    return sock
 
 
-def read_token(token_file: str | None) -> str | None:
-    """The server token: from `token_file`, else the `HF_VERL_SERVE_TOKEN` variable, else None."""
-    if token_file:
-        with open(token_file) as f:
-            token = f.read().strip()
-        if not token:
-            raise ValueError(f"token file {token_file} is empty.")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
+def _validated(model_cls: type[SamplingRequest], body) -> SamplingRequest:
+    """`body` as `model_cls` (a dict from a Python caller is validated here; a route hands a model)."""
+    from pydantic import ValidationError
+
+    if isinstance(body, model_cls):
+        return body
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as err:
+        message, field = describe_validation_error(err.errors())
+        raise ServeError(400, message, field) from None
 
 
 class RolloutServer:
     """Serve a :class:`~hf_verl.rollout.base.RolloutEngine` over HTTP (see the module docstring).
 
     Args:
-        engine: the engine (its `model`, when it has one, receives weight updates).
-        tokenizer: decodes completions and encodes text prompts.
+        engine ([`RolloutEngine`]): the engine (its `model`, when it has one, receives weight updates).
+        tokenizer: decodes completions, encodes text prompts, renders chat templates.
         model_name (`str`): the id reported by `/v1/models`.
         host (`str`, defaults to `"127.0.0.1"`), port (`int`, defaults to 8000; 0 picks a free port).
         token (`str`, *optional*): bearer token of the weight routes; required off loopback.
-        max_upload_bytes (`int`): largest accepted request body.
+        max_upload_bytes (`int`): largest accepted weight-upload body.
         staging_timeout_s (`float`): staged buckets of an update not completed within this expire.
         served_model_names (`list[str]`, *optional*): the names a request may give as `model` (default
             `[model_name]`); `/v1/models` lists them.
-        max_n (`int`), max_tokens (`int`), max_prompts (`int`): caps per completions request (choices per
-            prompt, tokens per choice, prompts); one request cannot hold the server for longer than that.
+        max_n (`int`), max_tokens (`int`), max_prompts (`int`): caps per request (choices per prompt, tokens per
+            choice, prompts); one request cannot hold the server for longer than that.
+        max_batch_rows (`int`, defaults to 256): completions that concurrent requests may share in one engine call.
+        max_request_bytes (`int`, defaults to 64 MiB): largest accepted body of the generation routes.
+        body_timeout_s (`float`, defaults to 60): a weight upload whose body stalls this long is dropped.
     """
 
     def __init__(self, engine: RolloutEngine, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                  token: str | None = None, max_upload_bytes: int = 2 * 2**30, staging_timeout_s: float = 600.0,
                  served_model_names: list[str] | None = None, max_n: int = 64, max_tokens: int = 8192,
-                 max_prompts: int = 1024) -> None:
+                 max_prompts: int = 1024, max_batch_rows: int = 256, max_request_bytes: int = 64 * 2**20,
+                 body_timeout_s: float = 60.0) -> None:
         if not is_loopback(host) and not token:
             raise ValueError(
                 f"refusing to serve on non-loopback host {host!r} without a token: weight updates would be open to "
@@ -102,304 +109,182 @@ class RolloutServer:
         self.served_model_names = list(served_model_names or [model_name])
         self.max_n, self.max_tokens, self.max_prompts = max_n, max_tokens, max_prompts
         self.token = token
-        self.max_upload_bytes, self.staging_timeout_s = max_upload_bytes, staging_timeout_s
+        self.max_upload_bytes, self.max_request_bytes = max_upload_bytes, max_request_bytes
+        self.body_timeout_s = body_timeout_s
         self.lock = threading.Lock()  # generation and weight application never interleave
-        self._staged: dict[str, dict] = {}
-        self._staged_lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler_class())
-        self.httpd.daemon_threads = True
+        self.weights = WeightReceiver(engine, self.lock, staging_timeout_s)
+        self.batcher = RequestBatcher(engine, self.lock, max_batch_rows)
+        self.weights_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-verl-serve-weights")
+        self._encode_lock = threading.Lock()  # a fast tokenizer must not be encoding in two threads at once
+        self._socket = _bind(host, port)
         self._thread: threading.Thread | None = None
+        self._uvicorn = self._make_uvicorn()
+
+    def _make_uvicorn(self):
+        import uvicorn
+
+        from hf_verl.serve.app import build_app
+
+        config = uvicorn.Config(build_app(self), lifespan="off", log_config=None, access_log=False,
+                                server_header=False, timeout_graceful_shutdown=5)
+        return uvicorn.Server(config)
 
     @property
     def address(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        host, port = self._socket.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def start(self) -> RolloutServer:
-        """Serve in a background thread (tests, notebooks)."""
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        """Serve in a background thread (tests, notebooks); returns once the server accepts requests."""
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
+                                        name="hf-verl-serve", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the rollout server on {self.address} did not start (see the log above)")
+            time.sleep(0.01)
         return self
 
     def serve_forever(self) -> None:
-        logger.info("hf-verl rollout server on %s (model %s, weight version %d)", self.address, self.model_name,
-                    self.engine.weight_version)
-        self.httpd.serve_forever()
+        """Serve in this thread until interrupted (SIGINT / SIGTERM)."""
+        logger.info("hf-verl rollout server on %s (model %s, weight version %d; API page %s/docs)", self.address,
+                    self.model_name, self.engine.weight_version, self.address)
+        try:
+            self._uvicorn.run(sockets=[self._socket])
+        finally:
+            self._release()
 
     def shutdown(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """Stop serving and release the port (safe to call twice)."""
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._release()
 
-    # ------------------------------------------------------------------ routes
-    def completions(self, body: dict) -> dict:
-        if not isinstance(body, dict):
-            raise HTTPError(400, "the body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model not in self.served_model_names:
-            raise HTTPError(404, f"The model `{model}` does not exist. This server serves "
-                                 f"{', '.join(repr(m) for m in self.served_model_names)}.")
-        prompts = self._prompt_ids(body.get("prompt"))
-        try:
-            n, max_new = int(body.get("n", 1)), int(body.get("max_tokens", 16))
-        except (TypeError, ValueError):
-            raise HTTPError(400, "n and max_tokens must be integers") from None
-        if n < 1:
-            raise HTTPError(400, "n must be >= 1")
-        if n > self.max_n:
-            raise HTTPError(400, f"n={n} exceeds this server's cap of {self.max_n} completions per prompt")
-        if max_new > self.max_tokens:
-            raise HTTPError(400, f"max_tokens={max_new} exceeds this server's cap of {self.max_tokens}")
+    def _release(self) -> None:
+        self.batcher.close()
+        self.weights_pool.shutdown(wait=False, cancel_futures=True)
+        self._socket.close()
+
+    # ------------------------------------------------------------------ generation
+    def completions(self, body: CompletionRequest | dict) -> dict:
+        """Answer a completions request (not streamed) as OpenAI's JSON; blocks until generated."""
+        req = _validated(CompletionRequest, body)
+        prompts, sampling = self.prepare(req, self.prompt_ids(req.prompts), req.max_tokens or 16)
+        out = self.batcher.generate(prompts, sampling)
+        return Answer(False, self.model_name, self.tokenizer).response(
+            list(zip(out.completion_ids, out.logprobs, out.finish_reasons)), prompts, out.weight_version)
+
+    def chat_completions(self, body: ChatCompletionRequest | dict) -> dict:
+        """Answer a chat completions request (not streamed) as OpenAI's JSON; blocks until generated."""
+        req = _validated(ChatCompletionRequest, body)
+        prompt = self.chat_prompt_ids(req)
+        prompts, sampling = self.prepare(req, [prompt], self._chat_max_tokens(req, prompt))
+        out = self.batcher.generate(prompts, sampling)
+        return Answer(True, self.model_name, self.tokenizer, logprobs=req.logprobs).response(
+            list(zip(out.completion_ids, out.logprobs, out.finish_reasons)), prompts, out.weight_version)
+
+    def stream(self, body: SamplingRequest, chat: bool) -> Callable[[threading.Event], Iterator[dict]]:
+        """Check a streamed request and return what produces its chunks (see :mod:`hf_verl.serve.streaming`);
+        a bad request raises here, before the stream starts."""
+        if chat:
+            req = _validated(ChatCompletionRequest, body)
+            prompt = self.chat_prompt_ids(req)
+            prompts, sampling = self.prepare(req, [prompt], self._chat_max_tokens(req, prompt))
+            answer = Answer(True, self.model_name, self.tokenizer, logprobs=req.logprobs)
+        else:
+            req = _validated(CompletionRequest, body)
+            prompts, sampling = self.prepare(req, self.prompt_ids(req.prompts), req.max_tokens or 16)
+            answer = Answer(False, self.model_name, self.tokenizer)
+        return lambda cancel: self._chunks(answer, req, prompts, sampling, cancel)
+
+    def _chunks(self, answer: Answer, req: SamplingRequest, prompts: list[list[int]], sampling: SamplingParams,
+                cancel: threading.Event) -> Iterator[dict]:
+        if steppable(self.engine):
+            deltas = stepped_deltas(self.engine, self.lock, self.tokenizer, prompts, sampling, cancel)
+        else:
+            deltas = whole_deltas(self.batcher.generate, self.tokenizer, prompts, sampling)
+        started, generated, prompt_tokens = set(), 0, sum(len(p) for p in prompts)
+        with contextlib.closing(deltas):
+            for step, version in deltas:
+                for delta in step:
+                    chunk = answer.chunk(delta, None if delta.row in started else prompts[delta.row], version)
+                    started.add(delta.row)
+                    generated += delta.token_id is not None
+                    if req.continuous_usage:
+                        chunk["usage"] = usage(prompt_tokens, generated)
+                    yield chunk
+        if req.include_usage and not cancel.is_set():
+            yield answer.usage_chunk(usage(prompt_tokens, generated))
+
+    # ------------------------------------------------------------------ request checks
+    def prepare(self, req: SamplingRequest, prompts: list[list[int]],
+                max_new_tokens: int) -> tuple[list[list[int]], SamplingParams]:
+        """Check `req` against the served names and the caps; return the rows (each prompt `n` times) and
+        the sampling parameters."""
+        if req.model is not None and req.model not in self.served_model_names:
+            raise ServeError(404, f"The model `{req.model}` does not exist. This server serves "
+                                  f"{', '.join(repr(m) for m in self.served_model_names)}.", "model")
+        if req.n > self.max_n:
+            raise ServeError(400, f"n={req.n} exceeds this server's cap of {self.max_n} completions per prompt", "n")
+        if max_new_tokens > self.max_tokens:
+            raise ServeError(400, f"max_tokens={max_new_tokens} exceeds this server's cap of {self.max_tokens}",
+                             "max_tokens")
         if len(prompts) > self.max_prompts:
-            raise HTTPError(400, f"{len(prompts)} prompts exceed this server's cap of {self.max_prompts} per request")
-        stop = body.get("stop")
+            raise ServeError(400, f"{len(prompts)} prompts exceed this server's cap of {self.max_prompts} per "
+                                  "request", "prompt")
+        vocab = self._vocab_size()
+        if any(t >= vocab for p in prompts for t in p):
+            raise ServeError(400, f"prompt token ids must be below the vocabulary size {vocab}", "prompt")
         try:
-            sampling = SamplingParams(
-                max_new_tokens=max_new, temperature=float(body.get("temperature", 1.0)),
-                top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0) or 0),
-                min_p=body.get("min_p"), repetition_penalty=float(body.get("repetition_penalty", 1.0)),
-                stop=tuple([stop] if isinstance(stop, str) else (stop or ())),
-                seed=body.get("seed"),
-            )
-        except (TypeError, ValueError) as err:
-            raise HTTPError(400, f"bad sampling parameters: {err}") from None
-        expanded = [p for p in prompts for _ in range(n)]
-        with self.lock:
-            out = self.engine.generate(expanded, sampling)
-        choices = []
-        for i, (ids, lps, reason) in enumerate(zip(out.completion_ids, out.logprobs, out.finish_reasons)):
-            choices.append({
-                "index": i, "text": self.tokenizer.decode(ids, skip_special_tokens=True), "finish_reason": reason,
-                "token_ids": list(ids), "prompt_token_ids": list(expanded[i]),
-                "logprobs": {"tokens": self.tokenizer.convert_ids_to_tokens(list(ids)), "token_logprobs": list(lps)},
-                "weight_version": out.weight_version,
-            })
-        completion_tokens = sum(len(c["token_ids"]) for c in choices)
-        prompt_tokens = sum(len(p) for p in expanded)
-        return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "weight_version": out.weight_version,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+            sampling = req.sampling(max_new_tokens)
+        except ValueError as err:
+            raise ServeError(400, f"bad sampling parameters: {err}") from None
+        return [p for p in prompts for _ in range(req.n)], sampling
 
-    def _prompt_ids(self, prompt) -> list[list[int]]:
-        if prompt is None or (isinstance(prompt, (list, str)) and len(prompt) == 0):
-            raise HTTPError(400, "'prompt' is required: text, token ids, or a list of either")
-        items = prompt if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt) else [prompt]
+    def prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt (text is tokenized as the tokenizer does by default)."""
         out = []
-        for item in items:
+        for item in prompts:
             if isinstance(item, str):
-                out.append(self.tokenizer(item)["input_ids"])
-            elif isinstance(item, list) and item and all(isinstance(t, int) for t in item):
-                out.append(item)
-            else:
-                raise HTTPError(400, f"each prompt must be text or a non-empty list of token ids, got {item!r:.80}")
+                with self._encode_lock:
+                    item = self.tokenizer(item)["input_ids"]
+                if not item:
+                    raise ServeError(400, "a text prompt encodes to no tokens", "prompt")
+            out.append(list(item))
         return out
 
-    def check_token(self, header: str | None) -> None:
-        if not self.token:
-            raise HTTPError(403, f"weight updates are disabled: start the server with a token ({TOKEN_ENV} or "
-                                 "--token-file)")
-        given = header[7:] if header and header.startswith("Bearer ") else ""
-        if not hmac.compare_digest(given.encode(), self.token.encode()):
-            raise HTTPError(401, "missing or wrong bearer token")
-
-    def receive_bucket(self, query: dict, payload: torch.Tensor) -> dict:
-        """Stage one bucket (`payload`: the body as a 1-D uint8 tensor); apply the update at its last."""
-        from hf_verl.rollout.tensor_wire import WireFormatError, decode
-
-        update = query.get("update", [""])[0]
+    def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages rendered by the tokenizer's chat template, as token ids."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ServeError(400, "this model's tokenizer has no chat template, so /v1/chat/completions cannot "
+                                  "render messages: send a formatted prompt to /v1/completions, or serve a "
+                                  "tokenizer with a `chat_template`", "messages")
         try:
-            index, last = int(query.get("index", ["0"])[0]), query.get("last", ["0"])[0] == "1"
-        except ValueError:
-            raise HTTPError(400, "index must be an integer") from None
-        if not update:
-            raise HTTPError(400, "a bucket needs ?update=<id>&index=<i>&last=0|1")
-        try:
-            tensors = decode(payload)  # views into the body: the bucket is held once
-        except (WireFormatError, TypeError, ValueError, KeyError, RuntimeError) as err:
-            raise HTTPError(400, f"body is not a safetensors bucket: {err}; the weights are unchanged") from None
-        self._check_tensors(tensors)
-        now = time.monotonic()
-        with self._staged_lock:
-            for key in [k for k, v in self._staged.items() if now - v["t"] > self.staging_timeout_s]:
-                logger.warning("dropping incomplete weight update %s (no last bucket in time)", key)
-                del self._staged[key]
-            entry = self._staged.setdefault(update, {"t": now, "buckets": {}, "last": None})
-            entry["t"] = now
-            entry["buckets"][index] = tensors
-            if last:
-                entry["last"] = index
-            complete = entry["last"] is not None and len(entry["buckets"]) == entry["last"] + 1
-            if complete:
-                del self._staged[update]
-        if not complete:
-            return {"applied": False, "received": index, "weight_version": self.engine.weight_version}
-        merged = {}
-        for i in sorted(entry["buckets"]):
-            merged.update(entry["buckets"][i])
-        return self.apply(merged)
+            text = self.tokenizer.apply_chat_template(
+                [m.for_template() for m in req.messages], tokenize=False,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+        except Exception as err:  # noqa: BLE001 (jinja and template errors: the messages do not fit the template)
+            raise ServeError(400, f"the chat template cannot render these messages ({type(err).__name__}: {err})",
+                             "messages") from None
+        with self._encode_lock:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own
+        if not ids:
+            raise ServeError(400, "the chat template rendered the messages as no tokens", "messages")
+        return ids
 
-    def receive_path(self, path: str) -> dict:
-        from safetensors.torch import load_file
+    def _chat_max_tokens(self, req: ChatCompletionRequest, prompt: list[int]) -> int:
+        """`max_completion_tokens` or `max_tokens`; else what the context leaves, at most the server's cap."""
+        asked = req.max_completion_tokens or req.max_tokens
+        if asked:
+            return asked
+        config = getattr(getattr(self.engine, "model", None), "config", None)
+        context = getattr(config, "max_position_embeddings", None)
+        return self.max_tokens if not context else max(1, min(self.max_tokens, context - len(prompt)))
 
-        if not isinstance(path, str):
-            raise HTTPError(400, f"'path' must be a string, got {type(path).__name__}")
-        if os.path.isdir(path):
-            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-        elif os.path.isfile(path):
-            files = [path]
-        else:
-            raise HTTPError(400, f"no safetensors file or folder at {path!r}")
-        if not files:
-            raise HTTPError(400, f"{path!r} holds no .safetensors files")
-        tensors = {}
-        for f in files:
-            try:
-                tensors.update(load_file(f))
-            except Exception as err:  # not a safetensors file (safetensors raises its own error types)
-                raise HTTPError(400, f"{f!r} is not a readable safetensors file ({type(err).__name__}: {err}); "
-                                     "the weights are unchanged") from None
-        self._check_tensors(tensors)
-        return self.apply(tensors)
-
-    def _check_tensors(self, tensors: dict) -> None:
+    def _vocab_size(self) -> int:
         model = getattr(self.engine, "model", None)
-        if model is None:
-            return
-        targets = model.state_dict()
-        unknown = [k for k in tensors if k not in targets]
-        if unknown:
-            raise HTTPError(400, f"unknown parameter name(s) {unknown[:5]}; names must be the model's state_dict keys")
-        bad = [k for k, v in tensors.items() if tuple(v.shape) != tuple(targets[k].shape)]
-        if bad:
-            raise HTTPError(400, f"shape mismatch for {bad[:5]}")
-        odd = [k for k, v in tensors.items() if not v.is_floating_point() and targets[k].is_floating_point()]
-        if odd:
-            raise HTTPError(400, f"non-floating tensors for floating weights {odd[:5]}")
-
-    def apply(self, tensors: dict[str, torch.Tensor]) -> dict:
-        with self.lock:
-            self.engine.sync_weights(tensors.items())
-            version = self.engine.weight_version
-        logger.info("applied a weight update of %d tensors; weight version %d", len(tensors), version)
-        return {"applied": True, "weight_version": version, "num_tensors": len(tensors)}
-
-    # ------------------------------------------------------------------ HTTP plumbing
-    def _handler_class(self):
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            timeout = 60  # a client that stalls mid-body is dropped; nothing of its upload is applied
-
-            def log_message(self, fmt, *args):
-                logger.debug("%s " + fmt, self.address_string(), *args)
-
-            def _send(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                if self.close_connection:  # say so: a client must not send its next request on this socket
-                    self.send_header("Connection", "close")
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _stream(self, response: dict) -> None:
-                """The completion as server-sent events: one chunk per choice, then [DONE]; the connection
-                closes at the end (no length is known up front)."""
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                head = {k: response[k] for k in ("id", "object", "created", "model", "weight_version")}
-                for choice in response["choices"]:
-                    chunk = dict(head, choices=[choice])
-                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                self.wfile.write(b"data: " + json.dumps(dict(head, choices=[], usage=response["usage"])).encode()
-                                 + b"\n\n")
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-                self.close_connection = True
-
-            def _error(self, status: int, message: str) -> None:
-                kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                        404: "NotFoundError", 413: "BadRequestError"}.get(status, "InternalServerError")
-                self._send(status, {"error": {"message": message, "type": kind, "code": status}})
-
-            def _length(self) -> int:
-                try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                except ValueError:
-                    raise HTTPError(400, "Content-Length is not an integer") from None
-                if length > server.max_upload_bytes:
-                    raise HTTPError(413, f"body of {length} bytes exceeds the limit of {server.max_upload_bytes}")
-                return length
-
-            def _body(self) -> bytes:
-                length = self._length()
-                data = self.rfile.read(length)
-                if len(data) != length:
-                    raise HTTPError(400, f"body ended after {len(data)} of {length} bytes")
-                return data
-
-            def _body_tensor(self) -> torch.Tensor:
-                """The body read straight into one uint8 tensor (no intermediate `bytes`)."""
-                length = self._length()
-                body = torch.empty(length, dtype=torch.uint8)
-                view, got = memoryview(body.numpy()), 0
-                while got < length:
-                    n = self.rfile.readinto(view[got:])
-                    if not n:
-                        raise HTTPError(400, f"body ended after {got} of {length} bytes")
-                    got += n
-                return body
-
-            def do_GET(self):
-                path = urlparse(self.path).path
-                if path == "/health":
-                    self._send(200, {"status": "ok", "weight_version": server.engine.weight_version})
-                elif path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [
-                        {"id": name, "object": "model", "owned_by": "hf_verl"} for name in server.served_model_names]})
-                elif path == "/v1/weights/version":
-                    self._send(200, {"weight_version": server.engine.weight_version})
-                else:
-                    self._error(404, f"no route GET {path}")
-
-            def do_POST(self):
-                url = urlparse(self.path)
-                try:
-                    if url.path == "/v1/completions":
-                        try:
-                            body = json.loads(self._body() or b"{}")
-                        except json.JSONDecodeError as err:
-                            raise HTTPError(400, f"body is not JSON: {err}") from None
-                        if isinstance(body, dict) and body.get("stream"):
-                            self._stream(server.completions(body))
-                        else:
-                            self._send(200, server.completions(body))
-                    elif url.path == "/v1/weights":
-                        server.check_token(self.headers.get("Authorization"))  # before reading the body
-                        if self.headers.get("Content-Type", "").startswith("application/json"):
-                            try:
-                                spec = json.loads(self._body() or b"{}")
-                            except json.JSONDecodeError as err:
-                                raise HTTPError(400, f"body is not JSON: {err}") from None
-                            if not isinstance(spec, dict) or "path" not in spec:
-                                raise HTTPError(400, 'a JSON weight update needs {"path": ...}')
-                            self._send(200, server.receive_path(spec["path"]))
-                        else:
-                            self._send(200, server.receive_bucket(parse_qs(url.query), self._body_tensor()))
-                    else:
-                        self._error(404, f"no route POST {url.path}")
-                except HTTPError as err:
-                    self.close_connection = True  # a body may be left unread
-                    self._error(err.status, err.message)
-                except (ConnectionError, TimeoutError) as err:
-                    logger.warning("client %s went away: %s", self.address_string(), err)
-                except Exception as err:  # noqa: BLE001 (the server keeps serving)
-                    logger.exception("request failed")
-                    self._error(500, f"{type(err).__name__}: {err}")
-
-        return Handler
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        return getattr(embeddings, "num_embeddings", None) or len(self.tokenizer)

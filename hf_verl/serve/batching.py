@@ -1,0 +1,123 @@
+"""Request batching of the rollout server: concurrent requests that sample alike share one engine call.
+
+The engine generates one call at a time (weight updates must not interleave with generation). While it is
+busy, requests queue; when it is free, the oldest queued request is taken together with every other queued
+request of equal sampling parameters, up to `max_rows` completions, and the rows are generated in one
+`engine.generate` call. A seeded request is generated alone, so that its completions depend only on its own
+rows, as with the engine itself. A request never waits for others to arrive: the first one of an idle server
+runs at once. Batched completions are left-padded together, so their log-probs can differ from a lone
+request's in float rounding, as between any two batch compositions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from hf_verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    future: Future = field(default_factory=Future)
+
+
+def split_output(out: GenerationOutput, sizes: Sequence[int]) -> list[GenerationOutput]:
+    """`out` cut into consecutive parts of `sizes` rows, each with the call's weight version."""
+    parts, start = [], 0
+    for size in sizes:
+        end = start + size
+        parts.append(GenerationOutput(completion_ids=out.completion_ids[start:end], logprobs=out.logprobs[start:end],
+                                      finish_reasons=out.finish_reasons[start:end],
+                                      weight_version=out.weight_version))
+        start = end
+    return parts
+
+
+class RequestBatcher:
+    """Generate queued requests on `engine`, batching those that sample alike (see the module docstring).
+
+    Args:
+        engine ([`RolloutEngine`]): generates.
+        lock (`threading.Lock`): held around each engine call (weight updates hold it too).
+        max_rows (`int`, defaults to 256): completions per batched call; a larger request runs alone.
+    """
+
+    def __init__(self, engine: RolloutEngine, lock: threading.Lock, max_rows: int = 256) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}.")
+        self.engine, self.lock, self.max_rows = engine, lock, max_rows
+        self._queue: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        """One completion per prompt, generated alone or batched with other requests; blocks until done."""
+        job = _Job(prompts, sampling)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the server is shutting down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hf-verl-serve-batcher", daemon=True)
+                self._thread.start()
+            self._queue.append(job)
+            self._cond.notify()
+        return job.future.result()
+
+    def close(self) -> None:
+        """Stop after the queued requests."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = self._take()
+            self._serve(batch)
+
+    def _take(self) -> list[_Job]:
+        """The oldest job and the queued ones that sample alike (not seeded), within `max_rows`."""
+        first = self._queue.popleft()
+        batch, rows, rest = [first], len(first.prompts), deque()
+        for job in self._queue:
+            if first.sampling.seed is None and job.sampling == first.sampling and rows + len(job.prompts) <= \
+                    self.max_rows:
+                batch.append(job)
+                rows += len(job.prompts)
+            else:
+                rest.append(job)
+        self._queue = rest
+        return batch
+
+    def _serve(self, batch: list[_Job]) -> None:
+        try:
+            with self.lock:
+                out = self.engine.generate([p for job in batch for p in job.prompts], batch[0].sampling)
+        except Exception as err:  # noqa: BLE001 (handed to the waiting requests)
+            if len(batch) > 1:  # one request's failure must not fail the others: each alone
+                logger.warning("a batch of %d requests failed (%s); generating them one by one", len(batch), err)
+                for job in batch:
+                    self._serve([job])
+            else:
+                batch[0].future.set_exception(err)
+            return
+        if len(batch) > 1:
+            logger.debug("generated %d requests in one call", len(batch))
+        for job, part in zip(batch, split_output(out, [len(job.prompts) for job in batch])):
+            job.future.set_result(part)
