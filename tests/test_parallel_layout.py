@@ -2,6 +2,7 @@
 (single process; the multi-process behaviour is tests/test_parallel_backends.py)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -93,31 +94,77 @@ def test_what_the_machine_cannot_give_fails_at_once(launch_env):
     assert resolve_backend(2, process_group_ready=True).kind == "fsdp2"
 
 
-def test_accelerate_parallelism_config_that_splits_sequences_or_tensors_is_refused(monkeypatch):
-    from hf_verl import GRPOConfig, Trainer
-    from hf_verl.parallel.backend import check_accelerate_parallelism
+@pytest.fixture
+def restored_environ():
+    """os.environ as it was before the test (the launch takeover writes variables of its own)."""
+    saved = dict(os.environ)
+    yield os.environ
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_accelerate_parallelism_config_sp_size_is_hf_verls_sequence_parallelism():
+    from hf_verl.parallel.backend import TAKEN_SP_SIZE, check_accelerate_parallelism, resolve_sequence_parallel_size
 
     on = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
-    check_accelerate_parallelism({})  # no parallelism_config: nothing to say
-    check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_SP_SIZE": "1"})
-    with pytest.raises(ValueError, match=r"sp_size=2.*sequence_parallel_size=2 in the trainer config"):
-        check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_SP_SIZE": "2"})
-    with pytest.raises(ValueError, match=r"cp_size=4.*sequence_parallel_size=4"):
+    assert check_accelerate_parallelism({}) == 1  # no parallelism_config
+    dp_only = {**on, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_SP_SIZE": "1"}
+    assert check_accelerate_parallelism(dp_only) == 1 and dp_only["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    env = {**on, "PARALLELISM_CONFIG_SP_SIZE": "2", "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed"}
+    assert check_accelerate_parallelism(env) == 2
+    # taken over: accelerate's own parallelism_config (DeepSpeed-ALST) is off, the degree kept for later calls
+    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "false" and env[TAKEN_SP_SIZE] == "2"
+    assert check_accelerate_parallelism(env) == 2
+    assert [resolve_sequence_parallel_size(n, dict(env)) for n in (1, 2)] == [2, 2]
+    assert resolve_sequence_parallel_size(4, {}) == 4
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=4 in the training config, but .* sp_size=2"):
+        resolve_sequence_parallel_size(4, dict(env))
+    with pytest.raises(ValueError, match=r"cp_size=4.*no hf_verl engine runs that yet.*parallelism_config_sp_size"):
         check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_CP_SIZE": "4"})
-    with pytest.raises(ValueError, match=r"tp_size=2.*fsdp2.yaml or zero3.yaml"):
+    with pytest.raises(ValueError, match=r"tp_size=2.*Megatron TP comes with backend='megatron'"):
         check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_TP_SIZE": "2"})
-    # the trainer configs and the facade say it before accelerate builds groups of its own
-    for key, value in {**on, "PARALLELISM_CONFIG_SP_SIZE": "2"}.items():
-        monkeypatch.setenv(key, value)
-    with pytest.raises(ValueError, match="parallelism_config sp_size=2"):
+    with pytest.raises(ValueError, match=r"sp_size='two'; it must be an int >= 1"):
+        check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_SP_SIZE": "two"})
+
+
+def test_the_launch_sp_size_reaches_the_trainer_configs_and_the_facade(restored_environ):
+    """One process asked for sp_size=2: the configs (sequence_parallel_size left at 1) and the facade's layout take
+    the launch's degree and refuse it for what it is (2 does not divide 1 process); a different degree in the config
+    is refused as a conflict."""
+    from hf_verl import GRPOConfig, Trainer
+
+    restored_environ.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_SP_SIZE="2")
+    with pytest.raises(ValueError, match="sequence_parallel_size=2 does not divide the 1 launched processes"):
         GRPOConfig(output_dir="unused", use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="sequence_parallel_size=4 in the training config, but .* sp_size=2"):
+        GRPOConfig(output_dir="unused", use_cpu=True, report_to=[], sequence_parallel_size=4)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tiny = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match="parallelism_config sp_size=2"):
+    with pytest.raises(ValueError, match=r"1 processes cannot be split .* 1 x 1 x 2 = 2"):
         _ = Trainer(actor_model=tiny, reward_model=lambda completions, **kw: [0.0] * len(completions),
                     tokenizer=build_char_tokenizer()).dims
+
+
+def test_the_launch_config_is_read_from_the_accelerate_launch_command_line(restored_environ):
+    from hf_verl.parallel.backend import _launch_arguments, adopt_launch_cpu, launch_asks_for_cpu, launch_config_file
+
+    tail = ["--config_file", "c.yaml", "train.py", "--config_file", "not-accelerates.yaml"]
+    assert _launch_arguments(["/venv/bin/python", "/venv/bin/accelerate", "launch", *tail]) == tail
+    assert _launch_arguments(["python", "-m", "accelerate.commands.launch", *tail]) == tail
+    assert _launch_arguments(["/venv/bin/accelerate-launch", *tail]) == tail
+    assert _launch_arguments(["torchrun", "--nproc_per_node", "2", "train.py"]) is None
+    from accelerate.commands.launch import launch_command_parser
+
+    # the launcher's own parser tells its options from the script's
+    assert launch_command_parser().parse_known_args(tail)[0].config_file == "c.yaml"
+    for name in ("ACCELERATE_USE_CPU", "LOCAL_RANK", "ACCELERATE_MIXED_PRECISION"):
+        restored_environ.pop(name, None)
+    assert launch_config_file() is None and not launch_asks_for_cpu()  # not a process of accelerate's launcher
+    assert not adopt_launch_cpu() and "ACCELERATE_USE_CPU" not in restored_environ
+    restored_environ["ACCELERATE_USE_CPU"] = "True"  # accelerate's single-process launcher exports it
+    assert launch_asks_for_cpu() and not adopt_launch_cpu()  # already said: nothing to adopt
 
 
 @pytest.mark.slow  # a fresh interpreter

@@ -12,6 +12,12 @@ machine does not form a process group, so a config that asks for either is honou
 over the process group accelerate (or torchrun) set up. What cannot work fails here, in seconds,
 with the config field to change: FSDP version 1, a backend package that is not installed, several
 launched processes that never joined a process group.
+
+Two parts of a launch config that accelerate does not honour the way hf_verl needs are read here too:
+`use_cpu: true`, which accelerate's multi-process launchers do not pass on (:func:`adopt_launch_cpu` reads it
+from the launching process's command line, so that the shipped `*_cpu.yaml` configs work as they are), and
+`parallelism_config`, whose `sp_size` hf_verl runs as its own Ulysses sequence parallelism
+(:func:`check_accelerate_parallelism`) and whose `cp_size` / `tp_size` it refuses.
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("plain", "ddp", "fsdp2", "deepspeed")
+KINDS = ("plain", "ddp", "fsdp2", "deepspeed", "megatron")
 
 
-def _env_bool(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
+def _env_bool(name: str, default: bool = False, environ=None) -> bool:
+    value = (os.environ if environ is None else environ).get(name)
     return default if value is None else value.strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -36,7 +42,7 @@ class BackendSpec:
     """The training backend of a run.
 
     Args:
-        kind (`str`): "plain", "ddp", "fsdp2" or "deepspeed".
+        kind (`str`): "plain", "ddp", "fsdp2", "deepspeed" or "megatron" (Megatron-Core TP / PP, its own engine).
         zero_stage (`int`): DeepSpeed ZeRO stage (0-3); 0 for other kinds.
         reshard_after_forward (`bool`): FSDP2: free the gathered parameters of a layer after its forward.
         offload_params (`bool`): FSDP2 CPU offload of parameters / DeepSpeed parameter offload.
@@ -67,7 +73,7 @@ class BackendSpec:
     @property
     def partitions_parameters(self) -> bool:
         """Whether a rank holds only part of each parameter between forwards (FSDP2, ZeRO-3)."""
-        return self.kind == "fsdp2" or (self.kind == "deepspeed" and self.zero_stage == 3)
+        return self.kind in ("fsdp2", "megatron") or (self.kind == "deepspeed" and self.zero_stage == 3)
 
     @property
     def label(self) -> str:
@@ -107,42 +113,178 @@ def requested_backend(world_size: int) -> BackendSpec:
     return BackendSpec()
 
 
-# accelerate's `parallelism_config` axes that hf_verl lays out itself, and the hf_verl setting to use instead
-_ACCELERATE_AXES = {
-    "SP_SIZE": ("sp_size", "DeepSpeed's own Ulysses (ALST)", "sequence_parallel_size={n} in the trainer config"),
+# accelerate's `parallelism_config` axes that no hf_verl engine runs yet: (field, what accelerate would run, what to do)
+_REFUSED_AXES = {
     "CP_SIZE": ("cp_size", "torch's ring-attention context parallelism",
-                "sequence_parallel_size={n} in the trainer config (Ulysses over the same processes)"),
+                "for sequence parallelism use parallelism_config_sp_size instead (hf_verl runs it as Ulysses over "
+                "the same processes), or sequence_parallel_size in the trainer config"),
     "TP_SIZE": ("tp_size", "transformers' tensor-parallel plan",
-                ("nothing in its place: hf_verl's training engines do not split tensors; to fit a model that one "
-                 "device cannot hold, shard it with configs/accelerate/fsdp2.yaml or zero3.yaml")),
+                "Megatron TP comes with backend='megatron'; until then, to fit a model that one device cannot hold, "
+                "shard it with configs/accelerate/fsdp2.yaml or zero3.yaml"),
 }
+# where hf_verl keeps the launch's sp_size once it has taken it over from accelerate (see below)
+TAKEN_SP_SIZE = "HF_VERL_LAUNCH_SP_SIZE"
 
 
-def check_accelerate_parallelism(environ: dict | None = None) -> None:
-    """Refuse an `accelerate launch` whose `parallelism_config` splits sequences or tensors itself.
+def _launch_size(env, name: str) -> int:
+    raw = env.get(f"PARALLELISM_CONFIG_{name}", "1").strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"the accelerate launch sets parallelism_config {name.lower()}={raw!r}; it must be an int "
+                         ">= 1. Fix parallelism_config in the accelerate config (or the --parallelism_config_* flag).")
+    return int(raw)
 
-    accelerate exports a config's `parallelism_config` section (or `--use_parallelism_config`) as
-    `PARALLELISM_CONFIG_*` variables, and its Accelerator then builds sequence / context / tensor
-    parallel groups of its own beside the ones hf_verl's :class:`~hf_verl.parallel.dims.ParallelDims`
-    lays out. hf_verl takes these degrees from its own settings, so a launch that asks accelerate for
-    them fails here, before any model is touched, naming the setting to use. Data-parallel sizes
-    (`dp_replicate_size`, `dp_shard_size`) are left alone: they agree with what the engine does.
+
+def check_accelerate_parallelism(environ: dict | None = None) -> int:
+    """The sequence-parallel degree an `accelerate launch` asks for through its `parallelism_config`, run by hf_verl.
+
+    accelerate exports a config's `parallelism_config` section (or the `--parallelism_config_*` flags) as
+    `PARALLELISM_CONFIG_*` variables. Its `sp_size` becomes hf_verl's Ulysses sequence parallelism (the trainers'
+    and the facade's `sequence_parallel_size`, with their checks: head divisibility, the process count); to
+    keep accelerate and transformers from also setting up DeepSpeed-ALST over the same processes, hf_verl then
+    switches accelerate's own `parallelism_config` off in this process (`ACCELERATE_USE_PARALLELISM_CONFIG=false`)
+    and keeps the degree in `HF_VERL_LAUNCH_SP_SIZE`, so that later calls give the same answer. accelerate's
+    ALST knobs (`sp_backend`, `sp_seq_length`, `sp_attn_implementation`) are not needed: hf_verl packs variable
+    lengths and registers its own attention. `cp_size` and `tp_size` are refused until an engine provides them;
+    data-parallel sizes are left alone (the processes not taken by sequence parallelism are data-parallel ranks).
+
+    Args:
+        environ (`dict`, *optional*): the environment to read and update (default `os.environ`).
+
+    Returns:
+        `int`: the launch's sequence-parallel degree (1 without a `parallelism_config` sp_size).
 
     Raises:
-        `ValueError`: naming the accelerate field and the hf_verl setting to use instead.
+        `ValueError`: a `cp_size` / `tp_size` above 1 or a malformed size, naming the field and what to do.
     """
     env = os.environ if environ is None else environ
-    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").strip().lower() not in ("1", "true", "yes", "on"):
-        return
-    for suffix, (field, meaning, instead) in _ACCELERATE_AXES.items():
-        raw = env.get(f"PARALLELISM_CONFIG_{suffix}", "1")
-        n = int(raw) if raw.strip().isdigit() else raw
+    if not _env_bool("ACCELERATE_USE_PARALLELISM_CONFIG", environ=env):
+        return int(env.get(TAKEN_SP_SIZE, "1") or 1)
+    for suffix, (field, meaning, instead) in _REFUSED_AXES.items():
+        n = _launch_size(env, suffix)
         if n != 1:
             raise ValueError(
-                f"the accelerate launch sets parallelism_config {field}={n}, which asks accelerate for {meaning}; "
-                f"hf_verl lays out its own groups and does not run that. Remove parallelism_config_{field} from the "
-                f"accelerate config (or --parallelism_config_{field} from the command) and set "
-                f"{instead.format(n=n)}. See docs/parallel.md.")
+                f"the accelerate launch sets parallelism_config {field}={n}, which asks accelerate for {meaning}; no "
+                f"hf_verl engine runs that yet. Remove parallelism_config_{field} from the accelerate config (or "
+                f"--parallelism_config_{field} from the command): {instead}. See docs/parallel.md.")
+    sp = _launch_size(env, "SP_SIZE")
+    if sp > 1:
+        env[TAKEN_SP_SIZE] = str(sp)
+        env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
+        logger.info("accelerate parallelism_config sp_size=%d runs as hf_verl's Ulysses sequence parallelism "
+                    "(accelerate's own parallelism_config is switched off in this process)", sp)
+    return sp
+
+
+def resolve_sequence_parallel_size(configured: int, environ: dict | None = None) -> int:
+    """The run's sequence-parallel degree from a training config's `sequence_parallel_size` and the launch's
+    `parallelism_config` sp_size (:func:`check_accelerate_parallelism`): the config's when the launch sets
+    none, the launch's when the config leaves it at 1.
+
+    Raises:
+        `ValueError`: both set, to different degrees; or what :func:`check_accelerate_parallelism` refuses.
+    """
+    launch = check_accelerate_parallelism(environ)
+    if launch in (1, configured):
+        return configured
+    if configured == 1:
+        return launch
+    raise ValueError(
+        f"sequence_parallel_size={configured} in the training config, but the accelerate launch's parallelism_config "
+        f"sets sp_size={launch}: set the degree in one place (or the same in both), e.g. remove "
+        "sequence_parallel_size from the training config to take the launch's.")
+
+
+# ------------------------------------------------------------ `use_cpu`, which accelerate's launchers do not pass on
+def launch_config_file() -> str | None:
+    """The accelerate config file of the multi-process `accelerate launch` that started this process.
+
+    accelerate's multi-process launchers (DDP, FSDP, DeepSpeed: torchrun inside `accelerate launch`) export most
+    of a config to the processes they start, but neither its `use_cpu` nor its path. Those processes are children
+    of the `accelerate launch` process, so the path is read from its command line with accelerate's own argument
+    parser (`--config_file`, else accelerate's default config file, as the launcher chose).
+
+    Returns:
+        `str` or `None`: the path; `None` when this process was not started that way (plain python, torchrun
+        alone, accelerate's single-process launcher, which does export `ACCELERATE_USE_CPU`) or it cannot be told.
+    """
+    if "LOCAL_RANK" not in os.environ or "ACCELERATE_MIXED_PRECISION" not in os.environ:
+        return None  # accelerate's launchers export ACCELERATE_MIXED_PRECISION; torchrun sets LOCAL_RANK
+    try:
+        import psutil  # an accelerate dependency
+
+        parent = psutil.Process().parent()
+        argv, cwd = parent.cmdline(), parent.cwd()
+    except Exception as err:  # psutil missing, the parent gone or not ours to read
+        logger.debug("cannot read the launching process's command line: %s", err)
+        return None
+    rest = _launch_arguments(argv)
+    if rest is None:
+        return None
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        args, _ = launch_command_parser().parse_known_args(rest)
+    except (SystemExit, Exception):  # argparse exits on what it cannot parse
+        return None
+    if args.config_file:
+        return os.path.join(cwd, args.config_file)
+    from accelerate.commands.config import default_config_file
+
+    return default_config_file if os.path.isfile(default_config_file) else None
+
+
+def _launch_arguments(argv: list[str]) -> list[str] | None:
+    """The arguments after `accelerate launch` / `accelerate-launch` / `-m accelerate.commands.launch` in `argv`."""
+    for i, arg in enumerate(argv):
+        name = os.path.basename(arg)
+        if name == "accelerate" and argv[i + 1 : i + 2] == ["launch"]:
+            return argv[i + 2 :]
+        if name == "accelerate-launch" or arg == "accelerate.commands.launch":
+            return argv[i + 1 :]
+    return None
+
+
+def launch_asks_for_cpu() -> bool:
+    """Whether this process is to train on the CPU by its launch: `ACCELERATE_USE_CPU` when it is set, else the
+    `use_cpu` field of the multi-process `accelerate launch` config that started it (:func:`launch_config_file`)."""
+    if "ACCELERATE_USE_CPU" in os.environ:
+        return _env_bool("ACCELERATE_USE_CPU")
+    path = launch_config_file()
+    if path is None:
+        return False
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        return bool(getattr(load_config_from_file(path), "use_cpu", False))
+    except Exception as err:  # the launcher read it a moment ago; a file changed since is not ours to judge
+        logger.debug("cannot read the accelerate config %s: %s", path, err)
+        return False
+
+
+def adopt_launch_cpu() -> bool:
+    """Make an accelerate config's `use_cpu: true` hold in this process, on a machine without CUDA devices.
+
+    accelerate's multi-process launchers do not pass `use_cpu` on, so without this the processes of
+    `accelerate launch --config_file configs/accelerate/ddp_cpu.yaml` come up as separate single-process runs.
+    Where the launch's config asks for the CPU (:func:`launch_asks_for_cpu`) and no CUDA device is visible, this
+    sets `ACCELERATE_USE_CPU=true`, which accelerate and transformers read when they set up the process group
+    (gloo). A config that does not ask for the CPU is left to fail in :func:`resolve_backend`, naming the field;
+    on a machine with GPUs accelerate runs a multi-process launch on them whatever `use_cpu` says, and so does
+    hf_verl.
+
+    Returns:
+        `bool`: whether it set `ACCELERATE_USE_CPU` (the caller then sets its devices up again).
+    """
+    if "ACCELERATE_USE_CPU" in os.environ or not launch_asks_for_cpu():
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    logger.info("the accelerate config asks for use_cpu: true, which its multi-process launcher does not pass on: "
+                "ACCELERATE_USE_CPU=true set in this process (gloo)")
+    return True
 
 
 def resolve_backend(world_size: int, process_group_ready: bool) -> BackendSpec:
@@ -160,9 +302,9 @@ def resolve_backend(world_size: int, process_group_ready: bool) -> BackendSpec:
         raise RuntimeError(
             f"{world_size} processes were launched ({spec.source}) but they did not join a process group: "
             "accelerate engages FSDP, DeepSpeed and multi-GPU launches only on CUDA devices, so on this machine "
-            "each process would train alone. On a machine without GPUs set `use_cpu: true` in the accelerate "
-            "config and ACCELERATE_USE_CPU=1 in the environment (or use_cpu=True in the training config); "
-            "hf_verl then applies FSDP2 / DeepSpeed itself over gloo. See docs/parallel.md."
+            "each process would train alone. On a machine without GPUs launch with a config that sets `use_cpu: "
+            "true` (the shipped configs/accelerate/*_cpu.yaml), or set use_cpu=True in the training config; hf_verl "
+            "then applies DDP / FSDP2 / DeepSpeed itself over gloo. See docs/parallel.md."
         )
     if spec.kind == "deepspeed":
         try:
@@ -170,7 +312,7 @@ def resolve_backend(world_size: int, process_group_ready: bool) -> BackendSpec:
         except Exception as err:  # missing, or installed for another accelerator / CUDA
             raise ImportError(
                 f"the launch asks for DeepSpeed ({spec.source}) but deepspeed does not import ({type(err).__name__}: "
-                f"{err}): `pip install hf_verl[deepspeed]` (DS_ACCELERATOR=cpu on a CPU machine), or launch with "
+                f"{err}): `pip install hf_verl[deepspeed]`, or launch with "
                 "a DDP / FSDP2 config."
             ) from err
     if spec.kind in ("fsdp2", "deepspeed") and world_size == 1:

@@ -88,12 +88,18 @@ class ParallelDims:
     @classmethod
     def from_environment(cls, *, shard: bool = False, tp: int = 1, pp: int = 1, sp: int = 1) -> ParallelDims:
         """The layout of this process, from the initialised process group if there is one, else from
-        the launcher's `WORLD_SIZE` / `RANK` (a single process when neither is set)."""
+        the launcher's `WORLD_SIZE` / `RANK` (a single process when neither is set). `sp` left at 1 takes the
+        `accelerate launch` config's `parallelism_config` sp_size
+        (:func:`~hf_verl.parallel.backend.resolve_sequence_parallel_size`); the device is CUDA where one is visible
+        and `ACCELERATE_USE_CPU` (set by the launch, or adopted from its config) does not ask for the CPU."""
         import torch
+
+        from hf_verl.parallel.backend import resolve_sequence_parallel_size
 
         world, rank = _world_and_rank()
         device = "cuda" if torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in (
             "1", "true", "yes") else "cpu"
+        sp = resolve_sequence_parallel_size(sp)
         return cls.data_parallel(world, rank, shard=shard, device_type=device, tp=tp, pp=pp, sp=sp)
 
     # ------------------------------------------------------------------ coordinates
@@ -242,5 +248,6 @@ def _require_process_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "this needs an initialised torch.distributed process group: launch with `accelerate launch` or "
-            "`torchrun` (on a CPU machine with ACCELERATE_USE_CPU=1 or use_cpu=True, so that gloo is used)."
+            "`torchrun` (on a CPU machine with a `use_cpu: true` accelerate config such as "
+            "configs/accelerate/ddp_cpu.yaml, or use_cpu=True, so that gloo is used)."
         )

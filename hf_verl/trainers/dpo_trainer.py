@@ -39,7 +39,7 @@ from hf_verl.data.preference import (
 )
 from hf_verl.data.prompts import ensure_pad_token
 from hf_verl.engine.base import TrainingEngine
-from hf_verl.engine.step import ForwardRequest
+from hf_verl.engine.step import ForwardRequest, TokenQuery
 from hf_verl.engine.model_options import router_aux_loss
 from hf_verl.parallel import comm
 from hf_verl.pipeline.prefetch import frozen_copy
@@ -50,6 +50,7 @@ from hf_verl.trainers.engine_glue import (
     load_pretrained,
 )
 from hf_verl.trainers.policy_control import ReferenceMixCallback
+from hf_verl.trainers.quantization import check_quantized_run, merge_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -121,14 +122,26 @@ def _split_rows(batch: dict) -> tuple[list[list[int]], list[list[int]]]:
 class PairLogProbs(ForwardRequest):
     """The forward request of DPO's pairs: `sequence_logps(engine, batch, with_aux_loss, with_wpo)` gives the
     summed completion log-probs, mean logits and token counts per sequence (chosen rows, then rejected), built
-    on the engine's token log-prob primitives."""
+    on the engine's token log-prob primitives. Its padded form is one `token_logprobs` call and a per-sequence
+    reduction (`query`, `reduce`), offered as a :class:`~hf_verl.engine.step.TokenQuery` so that a pipelined
+    engine can schedule it."""
 
     sequence_logps: Callable
     with_aux_loss: bool = False
     with_wpo: bool = False
+    query: Callable | None = None
+    reduce: Callable | None = None
 
     def run(self, engine: TrainingEngine, micro_batch: dict) -> tuple:
         return self.sequence_logps(engine, micro_batch, with_aux_loss=self.with_aux_loss, with_wpo=self.with_wpo)
+
+    def token_query(self, engine: TrainingEngine, micro_batch: dict) -> TokenQuery | None:
+        if self.query is None:
+            return None
+        return self.query(engine, micro_batch, with_aux_loss=self.with_aux_loss, with_wpo=self.with_wpo)
+
+    def from_stats(self, stats: Any, micro_batch: dict) -> tuple:
+        return self.reduce(stats, micro_batch, with_aux_loss=self.with_aux_loss, with_wpo=self.with_wpo)
 
     def without_extras(self) -> PairLogProbs:
         """The request for the reference: log-probs, logits and counts only."""
@@ -159,13 +172,17 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         compute_metrics: for evaluation; receives `(chosen_reward, rejected_reward)` per pair as
             predictions (see `preference_accuracy`).
         callbacks, optimizers, peft_config: as in TRL.
+        quantization_config (`transformers.BitsAndBytesConfig`, *optional*): load `model` (an id or path, and
+            `ref_model` when given as one) k-bit quantized; with `peft_config`, QLoRA (only the adapters train). As
+            in TRL it may be given in `args.model_init_kwargs` instead, and is refused for a model object. Checked
+            at construction: see :mod:`hf_verl.trainers.quantization`.
     """
 
     _tag_names = ["trl", "dpo", "hf_verl"]  # TRL's tags (Hub model cards), and ours
 
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
-                 callbacks=None, optimizers=(None, None), peft_config=None) -> None:
+                 callbacks=None, optimizers=(None, None), quantization_config=None, peft_config=None) -> None:
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = DPOConfig(f"{str(name).split('/')[-1]}-DPO")
@@ -176,11 +193,14 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
             raise ValueError("`model` and `ref_model` must be different objects; pass ref_model=None for a frozen "
                              "copy (or, with peft, the model with adapters disabled).")
         self._check_vision(train_dataset, eval_dataset)
-        # by id: TRL's defaults (float32 unless model_init_kwargs names a dtype)
+        # by id: TRL's defaults (float32 unless model_init_kwargs names a dtype), quantized with quantization_config
+        load_kwargs = merge_quantization_config(model, args.model_init_kwargs, quantization_config,
+                                                refuse_model_object=True)
+        check_quantized_run(model, load_kwargs, peft_config, args)
         if isinstance(model, str):
-            model = load_pretrained(model, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
+            model = load_pretrained(model, load_kwargs, trust_remote_code=args.trust_remote_code)
         if isinstance(ref_model, str):
-            ref_model = load_pretrained(ref_model, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
+            ref_model = load_pretrained(ref_model, load_kwargs, trust_remote_code=args.trust_remote_code)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
                                                              trust_remote_code=args.trust_remote_code)
@@ -215,7 +235,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         elif ref_model is not None:
             ref_model = ref_model.eval().requires_grad_(False)
         self.ref_model = ref_model
-        layout = launch_layout(args.world_size, args.sequence_parallel_size)
+        layout = launch_layout(args.world_size, args)
         backend, dims = layout.backend, layout.dims
         if dims.sp > 1:
             unsupported = [name for name, on in (("use_weighting", args.use_weighting),
@@ -365,31 +385,53 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         `with_wpo` also the WPO pair weights `(B,)` (appended in that order)."""
         if engine.dims.sp > 1:
             return self._sequence_parallel_logps(engine, batch)
+        query = self._pair_query(engine, batch, with_aux_loss=with_aux_loss, with_wpo=with_wpo)
+        if query is None:  # chosen and rejected share their prompt's forward
+            layout = self._pair_layout(engine, batch, with_aux_loss)
+            stats = engine.shared_token_logprobs(layout, temperature=1.0, chunk_size=self.args.logprob_chunk_size,
+                                                 with_mean_logit=True, with_log_sum_sq=with_wpo)
+            return self._pair_reduce(stats, batch, with_aux_loss=with_aux_loss, with_wpo=with_wpo,
+                                     owner=layout.row_of)
+        stats = engine.token_logprobs(query.input_ids, query.targets, query.select, **query.kwargs())
+        return self._pair_reduce(stats, batch, with_aux_loss=with_aux_loss, with_wpo=with_wpo)
+
+    @staticmethod
+    def _pair_select(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`(select, seq_of, n)`: the positions scored (each predicting a completion token of its own sequence),
+        the sequence of each position, and the number of sequences."""
         ids = batch["input_ids"]
         select = torch.zeros_like(ids, dtype=torch.bool)
         select[:, :-1] = batch["completion_mask"][:, 1:].bool()
         if "seq_index" in batch:  # packed: a position predicting the next sequence's first token is not ours
             index = batch["seq_index"]
             select[:, :-1] &= index[:, 1:] == index[:, :-1]
-            n, seq_of = batch["num_sequences"], index
-        else:
-            n = ids.shape[0]
-            seq_of = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)
+            return select, index, batch["num_sequences"]
+        n = ids.shape[0]
+        return select, torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids), n
+
+    def _pair_query(self, engine: TrainingEngine, batch: dict, *, with_aux_loss: bool = False,
+                    with_wpo: bool = False) -> TokenQuery | None:
+        """The padded (or packed) batch's one `token_logprobs` call; None when the engine's shared-prompt layout
+        scores it instead."""
+        packed = "position_ids" in batch  # padding-free: positions restart per sequence, no attention mask
+        if not packed and self._pair_layout(engine, batch, with_aux_loss) is not None:
+            return None
+        ids = batch["input_ids"]
+        select, _, _ = self._pair_select(batch)
         targets = torch.zeros_like(ids)
         targets[:, :-1] = ids[:, 1:]
-        packed = "position_ids" in batch  # padding-free: positions restart per sequence, no attention mask
-        layout = None if packed else self._pair_layout(engine, batch, with_aux_loss)
-        if layout is not None:  # chosen and rejected share their prompt's forward
-            stats = engine.shared_token_logprobs(layout, temperature=1.0, chunk_size=self.args.logprob_chunk_size,
-                                                 with_mean_logit=True, with_log_sum_sq=with_wpo)
-            owner = layout.row_of
-        else:
-            # only completion positions go through the LM head (prompt and padding are never scored)
-            stats = engine.token_logprobs(
-                ids, targets, select, attention_mask=None if packed else batch["attention_mask"],
-                position_ids=batch["position_ids"] if packed else None, temperature=1.0,
-                chunk_size=self.args.logprob_chunk_size, with_mean_logit=True, with_aux_loss=with_aux_loss,
-                with_log_sum_sq=with_wpo)
+        # only completion positions go through the LM head (prompt and padding are never scored)
+        return TokenQuery(ids, targets, select, attention_mask=None if packed else batch["attention_mask"],
+                          position_ids=batch["position_ids"] if packed else None, temperature=1.0,
+                          chunk_size=self.args.logprob_chunk_size, with_mean_logit=True, with_aux_loss=with_aux_loss,
+                          with_log_sum_sq=with_wpo)
+
+    def _pair_reduce(self, stats: Any, batch: dict, *, with_aux_loss: bool = False, with_wpo: bool = False,
+                     owner: torch.Tensor | None = None) -> tuple:
+        """Per-sequence sums of the scored positions' statistics (see :meth:`_sequence_logps`); `owner`: the
+        sequence of each scored position (by default that of the padded / packed query)."""
+        select, seq_of, n = self._pair_select(batch)
+        if owner is None:
             owner = seq_of[select]
 
         def segsum(x):
@@ -438,8 +480,8 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
 
     @torch.no_grad()
     def _reference_logps(self, batch: dict) -> torch.Tensor:
-        if self.reference is not None:
-            return self._sequence_logps(self.reference, batch)[0]
+        if self.reference is not None:  # through the engine's infer: a pipelined engine schedules the request
+            return self.reference.infer(batch, self._forward_request().without_extras(), micro_batch=None)[0]
         if self._ref_adapter is not None:  # the adapter the model came with, frozen
             with _active_adapter(self.model, self._ref_adapter):
                 return self._sequence_logps(self.actor, batch)[0]
@@ -499,7 +541,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
 
     def _forward_request(self) -> PairLogProbs:
         return PairLogProbs(self._sequence_logps, with_aux_loss=self.aux_loss_enabled,
-                            with_wpo=self.args.use_weighting)
+                            with_wpo=self.args.use_weighting, query=self._pair_query, reduce=self._pair_reduce)
 
     def _dpo_loss(self, out: tuple, inputs: dict) -> tuple[torch.Tensor, dict[str, Any]]:
         """`(loss, metrics)` of one pair micro-batch from the actor's forward `out` (see :meth:`_sequence_logps`);

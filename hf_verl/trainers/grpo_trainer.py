@@ -36,6 +36,7 @@ from hf_verl.trainers.engine_glue import load_pretrained
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.on_policy import OnPolicyTrainer
 from hf_verl.trainers.policy_control import EntropyController, ReferenceMixCallback
+from hf_verl.trainers.quantization import check_quantized_run, merge_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ class GRPOTrainer(OnPolicyTrainer):
         processing_class: the policy tokenizer (loaded from `model` when omitted).
         reward_processing_classes: tokenizers of reward models, aligned with `reward_funcs`.
         callbacks, optimizers: as in `transformers.Trainer`.
+        quantization_config (`transformers.BitsAndBytesConfig`, *optional*): load `model` (an id or path) k-bit
+            quantized; with `peft_config`, QLoRA (only the adapters train). As in TRL it may be given in
+            `args.model_init_kwargs` instead, and is ignored (with a warning) for a model object. Checked at
+            construction: see :mod:`hf_verl.trainers.quantization`.
         peft_config: a `peft` config; the reference is then the model with adapters disabled.
         tools (`list[Callable]`, *optional*): functions (sync or async, type hints and a Google-style
             docstring) the model may call while generating: completions become multi-turn, tool results
@@ -101,13 +106,16 @@ class GRPOTrainer(OnPolicyTrainer):
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None,
-                 callbacks=None, optimizers=(None, None), peft_config=None, tools=None, rollout_func=None,
-                 environment_factory=None) -> None:
+                 callbacks=None, optimizers=(None, None), quantization_config=None, peft_config=None, tools=None,
+                 rollout_func=None, environment_factory=None) -> None:
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
+        load_kwargs = merge_quantization_config(model, args.model_init_kwargs, quantization_config,
+                                                refuse_model_object=False)
+        check_quantized_run(model, load_kwargs, peft_config, args)
         if isinstance(model, str):
-            model = load_pretrained(model, args.model_init_kwargs, trust_remote_code=args.trust_remote_code)
+            model = load_pretrained(model, load_kwargs, trust_remote_code=args.trust_remote_code)
         funcs = [] if reward_funcs is None else (
             list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
         reward_processing_classes = align_processing_classes(len(funcs), reward_processing_classes)

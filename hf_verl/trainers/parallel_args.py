@@ -28,17 +28,28 @@ class ParallelArguments:
         from hf_verl.parallel.dims import ParallelDims
 
         sp = getattr(self, "sequence_parallel_size", 1)
-        return ParallelDims.data_parallel(self.world_size, self.process_index, shard=False, sp=sp).dp_size
+        tp, pp = getattr(self, "tensor_model_parallel_size", 1), getattr(self, "pipeline_model_parallel_size", 1)
+        return ParallelDims.data_parallel(self.world_size, self.process_index, shard=False, sp=sp, tp=tp,
+                                          pp=pp).dp_size
+
+    def _adopt_launch_cpu(self) -> None:
+        """An accelerate config's `use_cpu: true`, adopted where accelerate's multi-process launcher did not pass it
+        on (:func:`~hf_verl.parallel.backend.adopt_launch_cpu`); called before `TrainingArguments.__post_init__`
+        sets the devices up, so that the processes join one gloo group."""
+        from hf_verl.parallel.backend import adopt_launch_cpu
+
+        if adopt_launch_cpu():
+            self.use_cpu, self.dataloader_pin_memory = True, False
 
     def _check_sequence_parallel(self) -> None:
-        """`sequence_parallel_size`: an int >= 1 that divides the launch's processes (checked up front), and
-        no accelerate `parallelism_config` that splits sequences or tensors itself."""
-        from hf_verl.parallel.backend import check_accelerate_parallelism
+        """`sequence_parallel_size`, checked up front: an int >= 1 that divides the launch's processes; left at 1,
+        it takes the launch's `parallelism_config` sp_size (both set and different: an error)."""
+        from hf_verl.parallel.backend import resolve_sequence_parallel_size
 
-        check_accelerate_parallelism()
         sp = self.sequence_parallel_size
         if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
             raise ValueError(f"sequence_parallel_size must be an int >= 1, got {sp!r}.")
+        sp = self.sequence_parallel_size = resolve_sequence_parallel_size(sp)
         if self.world_size % sp:
             raise ValueError(f"sequence_parallel_size={sp} does not divide the {self.world_size} launched processes: "
                              f"launch a multiple of {sp} processes or choose a divisor of {self.world_size}.")
