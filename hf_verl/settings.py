@@ -171,6 +171,14 @@ SETTINGS: dict[str, Setting] = {
     "sequence_parallel_size": Setting(1, (int,), lambda v: v >= 1, "an int >= 1",
                                     "Ulysses sequence-parallel degree: each rollout row's sequence is split over this "
                                     "many processes of the launch (read when the roles are first laid out)."),
+    "backend": Setting(None, (str, _NONE), lambda v: v in (None, "auto", "megatron"), "None, 'auto' or 'megatron'",
+                       "The training engine: None / 'auto' takes the launch's (DDP, FSDP2, ZeRO, or Megatron from an "
+                       "accelerate MEGATRON_LM config); 'megatron' runs every model role on Megatron-Core tensor / "
+                       "pipeline parallelism through hf_verl's bridge (read when the roles are first laid out)."),
+    "tensor_model_parallel_size": Setting(1, (int,), _pos_int, "an int >= 1",
+                                          "Megatron tensor-parallel degree (backend='megatron')."),
+    "pipeline_model_parallel_size": Setting(1, (int,), _pos_int, "an int >= 1",
+                                            "Megatron pipeline stages (backend='megatron')."),
     "seed": Setting(42, (int,), lambda v: True, "an int", "The run's seed: the dataset draw order and per-row seeds.", trainers=False),
     "per_row_sampling_seed": Setting(False, (bool,), lambda v: True, "True or False",
                                    "Sample each completion from its own stream seeded by (seed, rollout, row): "

@@ -134,7 +134,7 @@ def test_registry_names_roles_and_engines():
         make_engine(_model(tok), "judge", LAYOUT)
     with pytest.raises(ValueError, match="no engine named 'warp'.*registered: \\['accelerate'"):
         make_engine(_model(tok), "actor", RoleLayout(BackendSpec(), ParallelDims(), engine="warp"))
-    with pytest.raises(ValueError, match="need the Megatron engine"):
+    with pytest.raises(ValueError, match="above 1 need backend='megatron'"):
         launch_role_layout(1, tensor_parallel_size=2)
     assert LAYOUT.label == "accelerate plain one process"
     assert RoleLayout(BackendSpec("fsdp2"), ParallelDims(dp_shard=2, sp=2, world_size=4)).label == \

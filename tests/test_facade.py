@@ -188,7 +188,10 @@ def test_supported_parallelisms_are_truthful():
     assert ("zero" in found) == (importlib.util.find_spec("deepspeed") is not None)
     if not torch.cuda.is_available():  # Ulysses runs wherever data parallelism does
         assert "sequence" in found and "sequence_parallel_size" in reasons["sequence"]
-    assert "tensor" not in found and "Megatron engine is not built" in reasons["tensor"]
+    megatron = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+    assert ("tensor" in found) == ("pipeline" in found) == (megatron and "data" in found)
+    if megatron and "tensor" in found:
+        assert "tensor_model_parallel_size" in reasons["tensor"] and "backend='megatron'" in reasons["pipeline"]
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers: about 6 s

@@ -61,20 +61,32 @@ class RoleLayout:
 
 
 def launch_role_layout(num_processes: int, *, sequence_parallel_size: int = 1, tensor_parallel_size: int = 1,
-                       pipeline_parallel_size: int = 1) -> RoleLayout:
+                       pipeline_parallel_size: int = 1, engine: str | None = None) -> RoleLayout:
     """The launch's default layout: its backend (checked against the machine) and the `ParallelDims` of the
-    processes it started, with the model-parallel axes given (the processes left are data-parallel ranks)."""
+    processes it started, with the model-parallel axes given (the processes left are data-parallel ranks).
+    `engine="megatron"` lays every role out on Megatron-Core (tensor / pipeline parallel, data-parallel
+    replicas with a distributed optimizer) instead of the launch's DDP / FSDP2 / ZeRO."""
     import torch.distributed as dist
 
     from hf_verl.parallel.dims import _world_and_rank
 
     world, _ = _world_and_rank()
+    megatron = engine == "megatron"
+    if (megatron or tensor_parallel_size > 1 or pipeline_parallel_size > 1) and "megatron" not in ENGINES:
+        raise ValueError(f"backend='megatron' (tensor_model_parallel_size={tensor_parallel_size}, "
+                         f"pipeline_model_parallel_size={pipeline_parallel_size}) needs megatron-core, which is not "
+                         "installed: pip install 'hf_verl[megatron]', or set both sizes to 1 (data, FSDP2, ZeRO and "
+                         "sequence parallelism run without it).")
+    if not megatron and (tensor_parallel_size > 1 or pipeline_parallel_size > 1):
+        raise ValueError("tensor_model_parallel_size / pipeline_model_parallel_size above 1 need backend='megatron'.")
+    if megatron:
+        from hf_verl.parallel.megatron.launch import megatron_layout
+
+        dims, backend = megatron_layout(num_processes, tensor_parallel_size, pipeline_parallel_size,
+                                        sequence_parallel_size)
+        return RoleLayout(backend=backend, dims=dims, engine="megatron")
     ready = dist.is_available() and dist.is_initialized()
     backend = resolve_backend(world, ready and num_processes == world)
-    if (tensor_parallel_size > 1 or pipeline_parallel_size > 1) and "megatron" not in ENGINES:
-        raise ValueError(f"tensor_model_parallel_size={tensor_parallel_size} / pipeline_model_parallel_size="
-                         f"{pipeline_parallel_size} need the Megatron engine, which is not available in this "
-                         "installation; set both to 1 (data, FSDP2, ZeRO and sequence parallelism run without it).")
     dims = ParallelDims.from_environment(shard=backend.shards, sp=sequence_parallel_size, tp=tensor_parallel_size,
                                          pp=pipeline_parallel_size)
     return RoleLayout(backend=backend, dims=dims)
@@ -113,3 +125,22 @@ def _accelerate_engine(model: Any, *, role: str, layout: RoleLayout, **options: 
 
 
 register_engine("accelerate", _accelerate_engine)
+
+
+def _megatron_engine(model: Any, *, role: str, layout: RoleLayout, **options: Any) -> TrainingEngine:
+    from hf_verl.parallel.megatron.engine import MegatronEngine  # imported on use: an optional backend
+
+    return MegatronEngine(model, role=role, dims=layout.dims, **options)
+
+
+def _megatron_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+if _megatron_installed():
+    register_engine("megatron", _megatron_engine)

@@ -36,6 +36,34 @@ class ForwardRequest(Protocol):
     def run(self, engine: Any, micro_batch: Any) -> Any: ...
 
 
+@dataclass
+class TokenQuery:
+    """The arguments of one :meth:`~hf_verl.engine.base.TrainingEngine.token_logprobs` call, as data.
+
+    A request whose forward is a single `token_logprobs` call followed by a reduction can say so: it offers
+    `token_query(engine, micro_batch) -> TokenQuery | None` and `from_stats(stats, micro_batch)`, so that an
+    engine that cannot run the whole model in one call (a pipeline, which runs the forward stage by stage and the
+    reduction on the last stage) schedules it; `None` from `token_query` means "use `run`" (a layout of the
+    engine's own, say)."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    select: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    temperature: float = 1.0
+    chunk_size: int = 1024
+    with_entropy: bool = False
+    with_mean_logit: bool = False
+    with_aux_loss: bool = False
+    with_log_sum_sq: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `token_logprobs` (the three tensors are positional)."""
+        return {k: getattr(self, k) for k in ("attention_mask", "position_ids", "temperature", "chunk_size",
+                                              "with_entropy", "with_mean_logit", "with_aux_loss", "with_log_sum_sq")}
+
+
 @dataclass(frozen=True)
 class LogProbs:
     """The policy's `(B, C)` log-probs of a rollout's completion tokens (:meth:`TrainingEngine.logprobs`).

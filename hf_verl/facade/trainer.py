@@ -201,10 +201,17 @@ class Trainer:
 
             from hf_verl.parallel.backend import check_accelerate_parallelism
 
+            from hf_verl.parallel.megatron.launch import resolve_megatron_settings
+
             check_accelerate_parallelism()  # before accelerate builds groups of its own
+            cfg = self.config
+            backend, tp, pp = resolve_megatron_settings(  # an accelerate MEGATRON_LM launch is hf_verl's to run
+                "TrainerConfig", cfg.backend, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                cfg.sequence_parallel_size)
             accelerator = Accelerator(cpu=not torch.cuda.is_available())
-            layout = launch_role_layout(accelerator.num_processes,
-                                        sequence_parallel_size=self.config.sequence_parallel_size)
+            layout = launch_role_layout(accelerator.num_processes, sequence_parallel_size=cfg.sequence_parallel_size,
+                                        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                        engine="megatron" if backend == "megatron" else None)
             self._layout = (layout, accelerator)
         return self._layout
 

@@ -10,7 +10,7 @@ reason for every entry; :func:`supported_parallelisms` lists the available ones.
 | fsdp | FSDP2 sharded data parallel | `torch.distributed.fsdp.fully_shard`, as for data |
 | zero | DeepSpeed ZeRO-1/2/3 | `deepspeed` importable, as for data |
 | sequence | Ulysses sequence parallel | `sequence_parallel_size` > 1 over the launch's processes |
-| tensor / pipeline | Megatron-Core through hf_verl's bridge | not built yet (megatron-core importable is not enough) |
+| tensor / pipeline | Megatron-Core through hf_verl's bridge (`backend="megatron"`) | `megatron.core` importable (and hf_verl's engine with it), as for data |
 """
 
 from __future__ import annotations
@@ -70,10 +70,14 @@ def parallelism_report() -> dict[str, Availability]:
         where if ds_err is None else f"deepspeed does not import ({ds_err}): `pip install hf_verl[deepspeed]`")
     report["sequence"] = Availability(
         ok, f"Ulysses sequence parallelism (sequence_parallel_size) over {where}" if ok else where)
-    mc_err = _import_error("megatron.core")
-    note = "megatron-core imports, but" if mc_err is None else f"megatron-core does not import ({mc_err}), and"
-    for name in ("tensor", "pipeline"):
-        report[name] = Availability(False, f"{note} hf_verl's Megatron engine is not built yet")
+    mc_err = _import_error("megatron.core") or _import_error("hf_verl.parallel.megatron.engine")
+    for name, setting in (("tensor", "tensor_model_parallel_size"), ("pipeline", "pipeline_model_parallel_size")):
+        if mc_err is not None:
+            report[name] = Availability(False, f"megatron-core does not import ({mc_err}): "
+                                               "`pip install hf_verl[megatron]`")
+        else:
+            report[name] = Availability(ok, f"Megatron-Core (backend='megatron', {setting}) over {where}"
+                                        if ok else where)
     return report
 
 

@@ -5,7 +5,8 @@ own, on any thread. Under FSDP2 and ZeRO-3 it is sharded like the policy (a froz
 :class:`~hf_verl.engine.accelerate_engine.AccelerateEngine`: FSDP2 shards, or a ZeRO-3 inference
 engine), and every forward gathers its layers from all ranks, a collective: ranks must score in
 lockstep (they do: every rank holds the same number of rows per round) and on the main thread, so
-asynchronous rollout, which scores in a background thread, is refused with sharded reward models.
+asynchronous rollout, which scores in a background thread, is refused with sharded reward models. Under
+Megatron (`backend="megatron"`) a reward model stays a whole replica on every rank, as under DDP.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def place_reward_models(reward_funcs: Sequence[Any], backend: BackendSpec, make_
         ValueError: sharded reward models with asynchronous rollout.
     """
     scorers = [f for f in reward_funcs if isinstance(f, RewardModelScorer)]
-    if not scorers or not backend.partitions_parameters:
-        return 0
+    if not scorers or not backend.partitions_parameters or backend.kind == "megatron":
+        return 0  # under Megatron a reward model stays a whole replica on every rank, like under DDP
     if async_rollout:
         raise ValueError(
             f"reward models under {backend.label} are sharded like the policy and score in lockstep on the main "

@@ -76,7 +76,8 @@ def load_critic(critic: TrainingEngine, checkpoint_dir: str) -> None:
                          f"unexpected={unexpected}.")
     critic.load_full_state_dict(state)
     saved = [os.path.join(path, name) for name in (f"{critic.role}_optimizer.pt", "optimizer_shards")]
-    if critic.has_optimizer and any(os.path.exists(p) for p in saved):
+    megatron = os.path.isdir(path) and any(n.startswith(f"megatron_{critic.role}_") for n in os.listdir(path))
+    if critic.has_optimizer and (megatron or any(os.path.exists(p) for p in saved)):
         critic.load_checkpoint(path)
 
 

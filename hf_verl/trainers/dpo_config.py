@@ -21,6 +21,7 @@ from transformers import TrainingArguments
 from hf_verl.algorithms.dpo_losses import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
 from hf_verl.data.batch import resolve_pad_to_multiple_of
 from hf_verl.data.preference import TRUNCATION_MODES
+from hf_verl.trainers.model_parallel_args import ModelParallelArguments
 from hf_verl.trainers.parallel_args import ParallelArguments
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class DPOConfig(TrainingArguments, ParallelArguments):
+class DPOConfig(TrainingArguments, ModelParallelArguments, ParallelArguments):
     """Configuration of :class:`~hf_verl.DPOTrainer` (a `transformers.TrainingArguments`); see the module docstring."""
 
     learning_rate: float = field(default=1e-6, metadata=_help("AdamW learning rate (TRL's default)."))
@@ -91,6 +92,8 @@ class DPOConfig(TrainingArguments, ParallelArguments):
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
         if self.pad_token is not None:
             logger.warning("pad_token is deprecated (TRL); set tokenizer.pad_token instead.")
+        self._adopt_launch_cpu()
+        self._resolve_model_parallel()
         super().__post_init__()
         self._take_over_deepspeed()
         self._check_sequence_parallel()

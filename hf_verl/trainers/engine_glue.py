@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -56,10 +57,14 @@ def load_pretrained(model_id: str, model_init_kwargs: dict | None = None, *, tru
     return (auto_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
 
 
-def launch_layout(num_processes: int, sequence_parallel_size: int = 1) -> RoleLayout:
-    """The launch's default :class:`~hf_verl.engine.registry.RoleLayout` (its backend, checked against the
-    machine, and its `ParallelDims` with the `sp` axis of `sequence_parallel_size`)."""
-    return launch_role_layout(num_processes, sequence_parallel_size=sequence_parallel_size)
+def launch_layout(num_processes: int, args: Any) -> RoleLayout:
+    """The launch's default :class:`~hf_verl.engine.registry.RoleLayout` for a trainer config: the launch's
+    backend (checked against the machine), or Megatron with `backend="megatron"`, and its `ParallelDims` with the
+    config's `sequence_parallel_size`, `tensor_model_parallel_size` and `pipeline_model_parallel_size`."""
+    return launch_role_layout(num_processes, sequence_parallel_size=getattr(args, "sequence_parallel_size", 1),
+                              tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+                              pipeline_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
+                              engine="megatron" if getattr(args, "backend", None) == "megatron" else None)
 
 
 class EngineOptimizer:
@@ -168,7 +173,7 @@ class EngineTrainerMixin:
 
     def _init_engines(self, layout: RoleLayout | None = None) -> None:
         if layout is None:
-            layout = launch_layout(self.accelerator.num_processes, getattr(self.args, "sequence_parallel_size", 1))
+            layout = launch_layout(self.accelerator.num_processes, self.args)
         self.layout = layout
         self.backend, self.dims = layout.backend, layout.dims
         self._add_model_tags(self.model)
@@ -302,12 +307,17 @@ class EngineTrainerMixin:
             raise FileNotFoundError(f"no model.safetensors in {resume_from_checkpoint} to resume the sharded actor from.")
         self.actor.load_full_state_dict(load_file(path))
 
+    def _rank_local_optimizer(self) -> bool:
+        """Whether each rank holds its own part of the optimizer state (FSDP2, ZeRO, Megatron's tensor / pipeline
+        shards and distributed optimizer): checkpoints are then written per rank by the engine."""
+        return self.backend.shards or self.backend.kind == "megatron"
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if not self.backend.shards:
+        if not self._rank_local_optimizer():
             return super()._save_optimizer_and_scheduler(output_dir)
         self.actor.save_checkpoint(output_dir)  # every rank its shard, and the schedule
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        if checkpoint is None or not self.backend.shards:
+        if checkpoint is None or not self._rank_local_optimizer():
             return super()._load_optimizer_and_scheduler(checkpoint)
         self.actor.load_checkpoint(checkpoint)

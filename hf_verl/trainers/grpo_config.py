@@ -21,6 +21,7 @@ from hf_verl.settings import check_settings
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
 from hf_verl.data.batch import resolve_pad_to_multiple_of
+from hf_verl.trainers.model_parallel_args import ModelParallelArguments
 from hf_verl.trainers.parallel_args import ParallelArguments
 from hf_verl.trainers.policy_args import (
     MULTI_OBJECTIVE_AGGREGATIONS,
@@ -37,7 +38,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossArguments, TrainingArguments):
+class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParallelArguments, PolicyLossArguments, TrainingArguments):
     """Configuration of :class:`~hf_verl.GRPOTrainer` (a `transformers.TrainingArguments`).
 
     Generation: `num_generations` completions per prompt, of at most `max_completion_length`
@@ -141,6 +142,8 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossA
             if isinstance(value, str) and value.strip().startswith("{"):  # from the command line
                 setattr(self, name, json.loads(value))
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
+        self._adopt_launch_cpu()
+        self._resolve_model_parallel()
         super().__post_init__()
         self._take_over_deepspeed()
         self._check_sequence_parallel()

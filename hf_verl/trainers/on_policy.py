@@ -123,7 +123,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                                  "the column(s) (dataset.remove_columns) or use a text-only dataset.")
         self.reward_funcs = resolve_reward_sources(reward_funcs, reward_processing_classes)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
-        layout = launch_layout(args.world_size, args.sequence_parallel_size)
+        layout = launch_layout(args.world_size, args)
         backend = layout.backend
         if ref_model is None and need_reference and not is_peft:
             ref_model = frozen_copy(model)  # PEFT: the base model with adapters disabled is the reference

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hf_verl.algorithms.policy_losses import (
-    IS_LEVELS,
     PolicyLossParams,
     resolve_policy_loss,
 )

@@ -27,6 +27,7 @@ from transformers import TrainingArguments
 from hf_verl.settings import check_settings
 from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
 from hf_verl.algorithms.policy_loss import resolve_aggregation
+from hf_verl.trainers.model_parallel_args import ModelParallelArguments
 from hf_verl.trainers.parallel_args import ParallelArguments
 from hf_verl.trainers.policy_args import PolicyLossArguments
 from hf_verl.trainers.rollout_args import RolloutArguments
@@ -43,7 +44,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossArguments, TrainingArguments):
+class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParallelArguments, PolicyLossArguments, TrainingArguments):
     """Configuration of :class:`~hf_verl.PPOTrainer` (a `transformers.TrainingArguments`).
 
     TRL's fields keep their names and defaults: `num_ppo_epochs=4`, `num_mini_batches=1`,
@@ -115,6 +116,8 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, PolicyLossAr
     def __post_init__(self) -> None:
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        self._adopt_launch_cpu()
+        self._resolve_model_parallel()
         super().__post_init__()
         self._take_over_deepspeed()
         self._check_sequence_parallel()

@@ -24,6 +24,9 @@ from tests.conftest import build_char_tokenizer
 
 GLOBAL_ROWS = 8
 SP = int(os.environ.get("PARITY_SP", "1"))  # sequence-parallel degree: the world's processes are dp x SP
+# backend="megatron" at "tp,pp" (the world's processes are dp x tp x pp); empty: the launch's backend
+MEGATRON = tuple(int(x) for x in os.environ["PARITY_MEGATRON"].split(",")) if os.environ.get("PARITY_MEGATRON") else None
+MODEL_PARALLEL = SP * (MEGATRON[0] * MEGATRON[1] if MEGATRON else 1)
 
 
 def tiny_qwen2(tok, cls="Qwen2ForCausalLM", seed=0, **kw):
@@ -42,8 +45,11 @@ def count_a(completions, **kwargs):
 
 def common(out, world):
     sp = {"sequence_parallel_size": SP} if SP > 1 else {}
+    if MEGATRON and not os.environ.get("PARITY_MEGATRON_FROM_LAUNCH"):  # else an accelerate MEGATRON_LM config asks
+        sp.update(backend="megatron", tensor_model_parallel_size=MEGATRON[0], pipeline_model_parallel_size=MEGATRON[1])
     return dict(output_dir=out, use_cpu=os.environ.get("PARITY_USE_CPU", "1") == "1", report_to=[], max_steps=3,
-                logging_steps=1, per_device_train_batch_size=GLOBAL_ROWS // (world // SP), gradient_accumulation_steps=1,
+                logging_steps=1, per_device_train_batch_size=GLOBAL_ROWS // (world // MODEL_PARALLEL),
+                gradient_accumulation_steps=1,
                 **sp,
                 learning_rate=float(os.environ.get("PARITY_LR", "1e-3")), lr_scheduler_type="constant",
                 save_strategy="no", disable_tqdm=True, seed=11, gradient_checkpointing=False, bf16=False)
@@ -111,8 +117,11 @@ def facade_run(out, world, tok, rank):
                      reward_model=count_a, tokenizer=tok,
                      config=dict(num_generations=4, max_completion_length=6, beta=0.05, learning_rate=1e-3,
                                  critic_learning_rate=2e-3, seed=11, per_row_sampling_seed=True,
-                                 sequence_parallel_size=SP))
-    dp_size, dp_rank = world // SP, rank // SP  # the sp ranks of one data-parallel rank take the same prompts
+                                 sequence_parallel_size=SP,
+                                 **(dict(backend="megatron", tensor_model_parallel_size=MEGATRON[0],
+                                         pipeline_model_parallel_size=MEGATRON[1]) if MEGATRON else {})))
+    # the model-parallel ranks of one data-parallel rank (sp, tp, pp) take the same prompts
+    dp_size, dp_rank = facade.dims.dp_size, facade.dims.dp_rank
     per_rank = 2 // dp_size
     losses, values = [], []
     for step in range(3):
@@ -154,7 +163,7 @@ def main(algo: str, out: str) -> None:
             with open(os.path.join(out, "result.json"), "w") as f:
                 json.dump({"losses": losses, "extra": extra, "backend": engine.backend.label,
                            "world": facade.dims.world_size, "dp_size": facade.dims.dp_size, "sp": facade.dims.sp,
-                           "attention": engine.model.config._attn_implementation,
+                           "attention": engine.config._attn_implementation,
                            "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
                            "export_max_error": 0.0, "export_names_match": True}, f)
         return
@@ -171,7 +180,7 @@ def main(algo: str, out: str) -> None:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"losses": losses, "extra": extra, "backend": trainer.backend.label,
                        "world": trainer.dims.world_size, "dp_size": trainer.dims.dp_size, "sp": trainer.dims.sp,
-                       "attention": trainer.actor.model.config._attn_implementation,
+                       "attention": trainer.actor.config._attn_implementation,
                        "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
                        "export_max_error": err, "export_names_match": same_names}, f)
 

@@ -1,0 +1,147 @@
+"""Megatron-Core on a machine without a GPU: the CPU compatibility layer.
+
+Megatron-Core 0.16 builds its process groups and models over gloo, but its forward and its schedules assume CUDA
+in a few places: `torch.cuda.current_device()` as the device of new tensors (rotary frequencies, TP gathers, the
+gradient buffers of its DDP), literal `device="cuda"` tensors (the token counters of
+`pipeline_parallel/schedules.py`), the CUDA RNG state of its model-parallel RNG tracker, and
+`torch.cuda.synchronize()` / streams around communication. :func:`cpu_compat` maps those onto the CPU for the
+duration of a Megatron call:
+
+- a :class:`torch.overrides.TorchFunctionMode` (thread-local, scoped: no function of torch is replaced) rewrites
+  a CUDA device argument (`"cuda"`, `"cuda:0"`, `torch.device("cuda")`, or a bare device index, which torch reads
+  as a CUDA device) to the CPU in tensor factories and `Tensor.to`, makes `Tensor.cuda()` a no-op, and names a CPU
+  float tensor's type as its CUDA counterpart (`Tensor.type()`, which Megatron's optimizers dispatch on);
+- `torch.cuda.current_device`, `synchronize`, `current_stream` / `default_stream` / `Stream` / `stream` and the
+  CUDA RNG functions (`get_rng_state`, `set_rng_state`, `manual_seed`, and Megatron's own
+  `_get_cuda_rng_state` / `_set_cuda_rng_state`) are pointed at CPU equivalents while the context is open and
+  restored when it closes (the RNG of the tracker is the CPU generator: dropout masks drawn under the tracker's
+  fork come from the CPU stream; hf_verl trains with dropout off).
+
+The engine enters it around every call into Megatron-Core when CUDA is unavailable (:func:`needed`); on a GPU
+machine Megatron-Core runs unmodified and this module is never entered. Contexts nest (a reference count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_DEVICE_TYPE_NAMES = ("torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor")
+_lock = threading.RLock()
+_depth = 0
+_saved: list[tuple[Any, str, Any]] = []
+
+
+def needed() -> bool:
+    """Whether Megatron-Core calls need the CPU layer (no usable CUDA device)."""
+    return not torch.cuda.is_available()
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # a bare index is a CUDA device to torch
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class _CPUDevices(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # the type name Megatron dispatches on
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if name in _DEVICE_TYPE_NAMES else name
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    """A stand-in CUDA stream: work on the CPU is synchronous."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> None:
+        return None
+
+
+def _cpu_rng_get(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(state)
+
+
+def _replacements() -> list[tuple[Any, str, Any]]:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    @contextlib.contextmanager
+    def _stream(stream: Any = None) -> Iterator[None]:
+        yield
+
+    cuda = torch.cuda
+    return [
+        (cuda, "current_device", lambda: _CPU),
+        (cuda, "synchronize", lambda *a, **k: None),
+        (cuda, "current_stream", lambda *a, **k: _NoStream()),
+        (cuda, "default_stream", lambda *a, **k: _NoStream()),
+        (cuda, "Stream", _NoStream),
+        (cuda, "stream", _stream),
+        (cuda, "get_rng_state", _cpu_rng_get),
+        (cuda, "set_rng_state", _cpu_rng_set),
+        (cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
+        (cuda.random, "get_rng_state", _cpu_rng_get),
+        (mrandom, "_get_cuda_rng_state", _cpu_rng_get),
+        (mrandom, "_set_cuda_rng_state", _cpu_rng_set),
+    ]
+
+
+@contextlib.contextmanager
+def cpu_compat(enabled: bool | None = None) -> Iterator[None]:
+    """Run the enclosed Megatron-Core calls on the CPU (see the module docstring).
+
+    Args:
+        enabled (`bool`, *optional*): force the layer on or off; by default on exactly when CUDA is unavailable.
+    """
+    global _depth
+    if not (needed() if enabled is None else enabled):
+        yield
+        return
+    with _lock:
+        if _depth == 0:
+            for owner, name, value in _replacements():
+                _saved.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, value)
+        _depth += 1
+    try:
+        with _CPUDevices():
+            yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                while _saved:
+                    owner, name, value = _saved.pop()
+                    setattr(owner, name, value)

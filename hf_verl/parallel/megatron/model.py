@@ -1,0 +1,165 @@
+"""Megatron-Core models from HF configs: the architecture translation and one pipeline stage's `GPTModel`.
+
+:func:`architecture` reads an HF config of a bridged family (:mod:`~hf_verl.parallel.megatron.families`) into
+an :class:`Architecture` (the numbers both the Megatron config and the bridge need), refusing what the local
+Megatron layers would compute differently (rope scaling, biases outside q/k/v, another activation), naming
+the setting. :func:`build_stage` builds this rank's stage of a `GPTModel` with Megatron-Core's local layer spec
+(no Transformer Engine, so the same code runs on CPU and GPU), for a causal LM (vocabulary-parallel head, or tied
+to the embedding) or a value model (a one-output head, replicated over tensor-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_verl.parallel.megatron.families import Family, family_of
+
+logger = logging.getLogger(__name__)
+
+VOCAB_DIVISIBLE_BY = 128  # Megatron's default make_vocab_size_divisible_by
+
+
+def import_megatron():
+    """Import megatron.core quietly (its notices about Apex / Transformer Engine say nothing actionable here);
+    a missing install is an `ImportError` naming the extra to install."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401
+            from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: F401
+    except ImportError as err:
+        raise ImportError("backend='megatron' needs megatron-core: pip install 'hf_verl[megatron]' "
+                          f"(megatron-core==0.16.1). Import error: {err}") from err
+    import megatron.core
+
+    return megatron.core
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The numbers of a bridged model that Megatron's config and the bridge read."""
+
+    family: Family
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    norm_eps: float
+    rope_theta: float
+    max_positions: int
+    tied: bool
+    sliding_window: int | None
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary padded to a multiple of `VOCAB_DIVISIBLE_BY x tp` (Megatron's rule)."""
+        multiple = VOCAB_DIVISIBLE_BY * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def _rope_theta(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if kind not in (None, "default"):
+        raise ValueError(f"backend='megatron' bridges plain rotary embeddings; this model uses rope_type={kind!r}. "
+                         "Train it with another backend (ddp, fsdp2, zero), or add the scaling to the bridge.")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("the model config names no rope_theta (rope_parameters['rope_theta']).")
+    return float(theta)
+
+
+def architecture(config: Any) -> Architecture:
+    """The :class:`Architecture` of an HF config (a `PretrainedConfig` of a bridged family)."""
+    family = family_of(config)
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"backend='megatron' bridges SwiGLU MLPs (hidden_act='silu'); this model uses {act!r}.")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(config, flag, False) and not (flag == "attention_bias" and family.qkv_bias):
+            raise ValueError(f"backend='megatron': {flag}=True is not in the {family.name} bridge table (biases are "
+                             "bridged on q/k/v for Qwen2 only); train this model with another backend.")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    return Architecture(
+        family=family, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
+        num_query_groups=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size, norm_eps=config.rms_norm_eps,
+        rope_theta=_rope_theta(config), max_positions=config.max_position_embeddings,
+        tied=bool(getattr(config, "tie_word_embeddings", False)), sliding_window=window)
+
+
+def check_layout(arch: Architecture, tp: int, pp: int) -> None:
+    """Refuse a TP / PP degree the model cannot be split by, naming what divides."""
+    if arch.num_query_groups % tp or arch.num_heads % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} must divide the model's {arch.num_heads} attention heads and "
+                         f"{arch.num_query_groups} key-value heads.")
+    if arch.ffn_hidden_size % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} must divide the MLP size {arch.ffn_hidden_size}.")
+    if arch.num_layers % pp:
+        raise ValueError(f"pipeline_model_parallel_size={pp} must divide the model's {arch.num_layers} layers.")
+
+
+def transformer_config(arch: Architecture, *, tp: int, pp: int, dtype: torch.dtype, gradient_checkpointing: bool,
+                       sequence_parallel: bool = False):
+    """Megatron's `TransformerConfig` for the architecture on a `tp x pp` layout (dropout off: RL log-probs)."""
+    import_megatron()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+        if gradient_checkpointing else {}
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=arch.family.qkv_bias,
+        qk_layernorm=arch.family.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=True, perform_initialization=False, variable_seq_lengths=True,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        moe_token_dispatcher_type="alltoall",  # dense models; the default refuses variable_seq_lengths
+        **recompute)
+
+
+class ValueHead(torch.nn.Module):
+    """A critic's one-output head in the place of `GPTModel.output_layer` (called as Megatron calls its output
+    layer, returning `(output, bias)`); replicated over tensor-parallel ranks."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None):
+        return torch.nn.functional.linear(hidden, self.weight), None
+
+
+def build_stage(arch: Architecture, config: Any, *, role_kind: str, pre_process: bool, post_process: bool,
+                tp: int):
+    """This rank's pipeline stage of a `GPTModel` (call inside :func:`~.compat.cpu_compat` on a CPU machine)."""
+    import_megatron()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Apex is not installed. Falling back to Torch Norm": expected here
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
+        tied = arch.tied and role_kind == "causal_lm"
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.padded_vocab(tp),
+                         max_sequence_length=arch.max_positions, pre_process=pre_process, post_process=post_process,
+                         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
+                         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+                         parallel_output=True)
+    if role_kind == "value" and post_process:
+        model.output_layer = ValueHead(arch.hidden_size, config.params_dtype)
+    return model

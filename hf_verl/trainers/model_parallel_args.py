@@ -1,0 +1,56 @@
+"""`ModelParallelArguments`: the Megatron fields the three trainer configs share (`backend`,
+`tensor_model_parallel_size`, `pipeline_model_parallel_size`).
+
+Two ways to ask for Megatron-Core tensor / pipeline parallelism, the same result:
+
+- in the training config: `backend="megatron"`, `tensor_model_parallel_size=2`, `pipeline_model_parallel_size=1`
+  (under `torchrun` or any `accelerate launch` config that starts the processes);
+- in the launch: an accelerate config with `distributed_type: MEGATRON_LM` and its `megatron_lm_config`
+  (`megatron_lm_tp_degree`, `megatron_lm_pp_degree`; `configs/accelerate/megatron_tp2*.yaml`), which accelerate
+  exports as `ACCELERATE_USE_MEGATRON_LM` / `MEGATRON_LM_TP_DEGREE` / `MEGATRON_LM_PP_DEGREE`.
+
+hf_verl's own engine (:mod:`hf_verl.parallel.megatron`) runs the layout, so the launch's request is read here and
+accelerate's Megatron-LM plugin (which expects the Megatron-LM training scripts and GPUs) is switched off: the
+`ACCELERATE_USE_MEGATRON_LM` variable is removed before the Trainer builds its `Accelerator`, which then starts
+plain data-parallel processes. A config field that disagrees with the launch is an error naming both.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+def _help(text: str) -> Any:
+    return {"help": text}
+
+
+@dataclass
+class ModelParallelArguments:
+    backend: str | None = field(default=None, metadata=_help(
+        "The training engine: None / 'auto' takes the launch's (DDP, FSDP2, ZeRO from the accelerate config; "
+        "Megatron from a MEGATRON_LM one); 'megatron' runs every model role on Megatron-Core tensor / pipeline "
+        "parallelism through hf_verl's HF<->Megatron bridge (needs megatron-core: pip install 'hf_verl[megatron]')."))
+    tensor_model_parallel_size: int = field(default=1, metadata=_help(
+        "Megatron tensor-parallel degree (backend='megatron'); must divide the attention and key-value heads."))
+    pipeline_model_parallel_size: int = field(default=1, metadata=_help(
+        "Megatron pipeline stages (backend='megatron'); must divide the layers."))
+
+    def _resolve_model_parallel(self) -> None:
+        """Read an accelerate MEGATRON_LM launch into the fields, switch accelerate's own plugin off, and check the
+        fields (call before `TrainingArguments.__post_init__`, which may build accelerate's state)."""
+        from hf_verl.parallel.megatron.launch import resolve_megatron_settings
+
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+        self.backend, self.tensor_model_parallel_size, self.pipeline_model_parallel_size = resolve_megatron_settings(
+            type(self).__name__, self.backend, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+            getattr(self, "sequence_parallel_size", 1))
+
+    @property
+    def uses_megatron(self) -> bool:
+        return self.backend == "megatron"
