@@ -11,6 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+from hf_verl import _notices  # noqa: E402
+
+_notices.install()  # exact third-party notices that ask nothing of a user (see hf_verl/_notices.py)
+
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
     "DPOConfig": "hf_verl.trainers.dpo_config",

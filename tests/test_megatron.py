@@ -137,6 +137,21 @@ def test_the_cpu_layer_is_scoped_and_maps_cuda_onto_the_cpu():
     assert torch.ones(1).type() == "torch.FloatTensor"
 
 
+def test_megatron_notices_are_quiet_inside_its_calls_only():
+    import warnings
+
+    from hf_verl.parallel.megatron.compat import cpu_compat
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with cpu_compat(enabled=False):
+            warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
+            warnings.warn("your reward function returned None for 3 rows", UserWarning)
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)  # outside: passes
+    assert [str(w.message) for w in seen] == ["your reward function returned None for 3 rows",
+                                              "Apex is not installed. Falling back to Torch Norm"]
+
+
 # ---------------------------------------------------------------------- the config fields
 def test_config_fields_and_an_accelerate_megatron_launch(tmp_path, monkeypatch):
     from hf_verl import GRPOConfig
@@ -206,7 +221,9 @@ def test_the_engine_equals_the_hf_model_for_every_family(tmp_path, layout):
         assert r["export_names"] and r["export"] == 0.0, family  # the HF export is the loaded weights, bit for bit
         for key in ("logprob", "entropy", "values", "loss", "grad_norm"):
             assert r[key] < 1e-5, (family, key, r[key])
-        assert r["weights"] < 2e-5, (family, r["weights"])
+        # one Adam step at lr 1e-2: an entry whose gradient is eps-sized (1e-8) moves by lr x g / (|g| + eps), so
+        # float rounding of such a gradient shows as up to ~2e-5 here (measured: 1e-6 to 1.9e-5)
+        assert r["weights"] < 5e-5, (family, r["weights"])
 
 
 @pytest.fixture(scope="module")

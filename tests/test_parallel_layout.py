@@ -121,7 +121,7 @@ def test_accelerate_parallelism_config_sp_size_is_hf_verls_sequence_parallelism(
         resolve_sequence_parallel_size(4, dict(env))
     with pytest.raises(ValueError, match=r"cp_size=4.*no hf_verl engine runs that yet.*parallelism_config_sp_size"):
         check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_CP_SIZE": "4"})
-    with pytest.raises(ValueError, match=r"tp_size=2.*Megatron TP comes with backend='megatron'"):
+    with pytest.raises(ValueError, match=r"tp_size=2.*backend='megatron' with tensor_model_parallel_size.*megatron_tp2.yaml"):
         check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_TP_SIZE": "2"})
     with pytest.raises(ValueError, match=r"sp_size='two'; it must be an int >= 1"):
         check_accelerate_parallelism({**on, "PARALLELISM_CONFIG_SP_SIZE": "two"})

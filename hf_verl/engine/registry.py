@@ -92,6 +92,22 @@ def launch_role_layout(num_processes: int, *, sequence_parallel_size: int = 1, t
     return RoleLayout(backend=backend, dims=dims)
 
 
+def describe_layout(engines: dict[str, TrainingEngine | None], rollout: Any = None) -> str:
+    """One line naming how each role runs, e.g. `actor: megatron tp=2 (2 processes); reference: megatron tp=2;
+    rollout: TransformersEngine (replica, synced by export)`: what a user reads once per run."""
+    parts = []
+    for role, engine in engines.items():
+        if engine is None:
+            continue
+        axes = " ".join(f"{a}={getattr(engine.dims, a)}" for a in engine.dims.enabled) or "one process"
+        kind = "frozen" if not engine.trainable else "trained"
+        parts.append(f"{role}: {engine.backend.label} {axes} ({kind})")
+    if rollout is not None:
+        shared = any(e is not None and e.shares_weights_with(getattr(rollout, "model", None)) for e in engines.values())
+        parts.append(f"rollout: {type(rollout).__name__} ({'on the actor weights' if shared else 'own weights, synced'})")
+    return "; ".join(parts)
+
+
 def register_engine(name: str, factory: Callable[..., TrainingEngine]) -> None:
     """Make `factory(model, *, role, layout, **options)` the engine for layouts whose `engine` is `name`."""
     ENGINES[name] = factory

@@ -151,6 +151,7 @@ class Trainer:
             check_prefetch=self._check_prefetch), "hf_verl-facade-rollout")
         weakref.finalize(self, self._rounds.prefetcher.close, False)
         self._explicit_logged = False
+        self._layout_logged = False
         self.config.add_listener(self._on_config_change)
 
     # ------------------------------------------------------------------ roles and engines
@@ -376,6 +377,13 @@ class Trainer:
 
     def _finish(self, served: Round) -> Rollout:
         """The trainer-dependent phases of a rollout, on the main thread with the current roles."""
+        if not self._layout_logged:  # once per run, when every role in use is laid out
+            from hf_verl.engine.registry import describe_layout
+
+            roles = {name: self._role_engine(name) for name in ("actor", "critic", "reference")}
+            if self.dims.is_main:
+                logger.info("hf_verl layout: %s", describe_layout(roles, self.engine))
+            self._layout_logged = True
         if self.dims.replica_size > 1:  # the ranks of one data-parallel replica train on its first rank's rollout
             served = comm.broadcast_replica(self.dims, served)
         c, timings, cfg = served.collected, served.timings, self.config

@@ -119,8 +119,9 @@ _REFUSED_AXES = {
                 "for sequence parallelism use parallelism_config_sp_size instead (hf_verl runs it as Ulysses over "
                 "the same processes), or sequence_parallel_size in the trainer config"),
     "TP_SIZE": ("tp_size", "transformers' tensor-parallel plan",
-                "Megatron TP comes with backend='megatron'; until then, to fit a model that one device cannot hold, "
-                "shard it with configs/accelerate/fsdp2.yaml or zero3.yaml"),
+                "for tensor parallelism use hf_verl's Megatron engine: backend='megatron' with "
+                "tensor_model_parallel_size in the trainer config, or configs/accelerate/megatron_tp2.yaml (or shard "
+                "the model with configs/accelerate/fsdp2.yaml or zero3.yaml)"),
 }
 # where hf_verl keeps the launch's sp_size once it has taken it over from accelerate (see below)
 TAKEN_SP_SIZE = "HF_VERL_LAUNCH_SP_SIZE"

@@ -48,7 +48,7 @@ def _devices() -> tuple[bool, str]:
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         if n < 2:
-            return False, f"only {n} CUDA device: it needs 2 or more (or CPU processes over gloo, ACCELERATE_USE_CPU=1)"
+            return False, f"only {n} CUDA device: it needs 2 or more (or CPU processes over gloo: configs/accelerate/*_cpu.yaml)"
         return True, f"{n} CUDA devices (NCCL)"
     return True, "CPU processes over gloo"
 

@@ -167,9 +167,20 @@ class EngineTrainerMixin:
     """
 
     _tag_names: list[str] = []
+    _layout_logged: bool = False
     _window: list | None = None
     _window_losses: list | None = None
     _window_pos: int = 0
+
+    def train(self, *args, **kwargs):
+        """`transformers.Trainer.train`, after one INFO line naming the layout each role runs on."""
+        if not self._layout_logged and self.is_world_process_zero():
+            from hf_verl.engine.registry import describe_layout
+
+            roles = {name: getattr(self, name, None) for name in ("actor", "critic", "reference")}
+            logger.info("hf_verl layout: %s", describe_layout(roles, getattr(self, "engine", None)))
+        self._layout_logged = True
+        return super().train(*args, **kwargs)
 
     def _init_engines(self, layout: RoleLayout | None = None) -> None:
         if layout is None:

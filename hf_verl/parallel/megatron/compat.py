@@ -17,19 +17,33 @@ duration of a Megatron call:
   restored when it closes (the RNG of the tracker is the CPU generator: dropout masks drawn under the tracker's
   fork come from the CPU stream; hf_verl trains with dropout off).
 
-The engine enters it around every call into Megatron-Core when CUDA is unavailable (:func:`needed`); on a GPU
-machine Megatron-Core runs unmodified and this module is never entered. Contexts nest (a reference count).
+The engine enters it around every call into Megatron-Core; the CPU mapping applies only when CUDA is unavailable
+(:func:`needed`): on a GPU machine Megatron-Core runs unmodified. Contexts nest (a reference count). On every
+machine the context also hides, for the enclosed calls only, the warnings Megatron-Core raises that ask nothing
+of an hf_verl user (:data:`QUIET`: Apex / fused-kernel notices, deprecations inside Megatron-Core and its use of
+torch.distributed); other warnings pass.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+# (category, message regex) of warnings raised inside Megatron-Core that say nothing actionable to an hf_verl user
+QUIET = (
+    (UserWarning, r"Apex is not installed"),
+    (UserWarning, r"full scope is deprecated"),
+    (UserWarning, r"When using async grad allreduce it is recommended to set the environment variable "
+                  r"CUDA_DEVICE_MAX_CONNECTIONS"),
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed"),
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"),
+)
 
 _CPU = torch.device("cpu")
 _DEVICE_TYPE_NAMES = ("torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor")
@@ -125,10 +139,19 @@ def cpu_compat(enabled: bool | None = None) -> Iterator[None]:
     Args:
         enabled (`bool`, *optional*): force the layer on or off; by default on exactly when CUDA is unavailable.
     """
+    with warnings.catch_warnings():
+        for category, message in QUIET:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        if not (needed() if enabled is None else enabled):
+            yield
+            return
+        with _mapped():
+            yield
+
+
+@contextlib.contextmanager
+def _mapped() -> Iterator[None]:
     global _depth
-    if not (needed() if enabled is None else enabled):
-        yield
-        return
     with _lock:
         if _depth == 0:
             for owner, name, value in _replacements():

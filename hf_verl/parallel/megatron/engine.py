@@ -98,12 +98,16 @@ def init_parallel_state(dims: ParallelDims, seed: int) -> None:
 
 @dataclass
 class _Plan:
-    """One micro-batch's forward: the model's inputs and what turns the last stage's output into the request's."""
+    """One micro-batch's forward: the model's inputs and what turns the last stage's output into the request's.
+    `head_rows`: the positions the LM head scores (a `(B, T)` mask or a flat `(N,)` index): only those go
+    through it, and the output is then `(1, N, V_local)` in that order."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: torch.Tensor  # (B, 1, T, T) bool, True = masked
     finish: Callable[[torch.Tensor], Any]
+    head_rows: torch.Tensor | None = None
+    head_hidden: torch.Tensor | None = None  # the scored positions' final hidden states, set during the forward
 
 
 def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -163,6 +167,9 @@ class MegatronEngine(TrainingEngine):
         self._load_hf(stage, model.state_dict())
         stage.to(dtype=self._dtype)
         self._keep_padding_row(stage, model)
+        self._head_plan: _Plan | None = None  # the plan whose forward runs now (its scored positions)
+        if self._last and self._kind == "causal_lm":
+            stage.output_layer.register_forward_pre_hook(self._select_head_rows, with_kwargs=True)
         self._stage = stage
         self._ddp = None
         self._optimizer = None
@@ -208,6 +215,44 @@ class MegatronEngine(TrainingEngine):
             if name in params and mapping.tensor_parallel:
                 param = params[name]
                 param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, mapping.partition_dim, 1
+
+    def _select_head_rows(self, module, args, kwargs):
+        """Take the final hidden states of the positions a request scores away from Megatron's LM head call: they
+        go into the plan's box, and the head is called on no row (its output is not read). The plan's `finish`
+        runs the head on them in chunks (:meth:`_head_stats`): prompt and padding positions never reach it."""
+        plan, self._head_plan = self._head_plan, None
+        if plan is None or plan.head_rows is None:
+            return None
+        rows = plan.head_rows
+        hidden = args[0].transpose(0, 1)  # [b, s, h]
+        plan.head_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows) if rows.dtype != torch.bool \
+            else hidden[rows]
+        return (args[0][:0], *args[1:]), kwargs
+
+    def _head_stats(self, hidden: torch.Tensor, targets: torch.Tensor, *, chunk_size: int, **kwargs) -> TokenStats:
+        """Token statistics of `hidden` `(N, h)` through the vocabulary-parallel LM head, a chunk of positions at a
+        time (each chunk's fp32 logits within 256 MiB, recomputed in the backward instead of kept)."""
+        stage = self._stage
+        weight = stage.shared_embedding_or_output_weight() if stage.share_embeddings_and_output_weights else None
+        v_local = self._ctx.padded_vocab_size // self.dims.tp
+        step = max(1, min(chunk_size, (64 << 20) // v_local))
+        start = self._tp_rank * v_local
+
+        def chunk(h, t):
+            logits, _ = stage.output_layer(h.unsqueeze(1), weight=weight)
+            return token_stats(logits[:, 0], t, vocab_start=start, vocab_size=self._arch.vocab_size,
+                               reduce_sum=self._tp_sum, reduce_max=self._tp_max, **kwargs)
+
+        parts = []
+        for i in range(0, max(hidden.shape[0], 1), step):
+            h, t = hidden[i : i + step], targets[i : i + step]
+            if torch.is_grad_enabled() and h.requires_grad:
+                parts.append(torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False))
+            else:
+                parts.append(chunk(h, t))
+        logp, entropy, log_sum_sq, mean_logit = (
+            None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        return TokenStats(logp=logp, entropy=entropy, mean_logit=mean_logit, log_sum_sq=log_sum_sq)
 
     def _keep_padding_row(self, stage: torch.nn.Module, model: Any) -> None:
         """HF embeddings built with `padding_idx` never train that row (`nn.Embedding` zeroes its gradient from the
@@ -294,9 +339,11 @@ class MegatronEngine(TrainingEngine):
         self._stage.train(mode)
 
     # ------------------------------------------------------------------ forwards
-    def _run(self, plan: _Plan) -> torch.Tensor:
+    def _run(self, plan: _Plan, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """The stage's forward of a plan (the LM head on the plan's scored positions only)."""
+        self._head_plan = plan if self._last else None
         with cpu_compat():
-            return self.module(plan.input_ids, plan.position_ids, plan.attention_mask)
+            return (model or self.module)(plan.input_ids, plan.position_ids, plan.attention_mask)
 
     def _check_length(self, T: int) -> None:
         window = self._arch.sliding_window
@@ -308,7 +355,7 @@ class MegatronEngine(TrainingEngine):
     def _stats_plan(self, input_ids: torch.Tensor, targets: torch.Tensor, select: torch.Tensor,
                     attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, *, temperature: float,
                     with_entropy: bool = False, with_log_sum_sq: bool = False,
-                    with_mean_logit: bool = False) -> _Plan:
+                    with_mean_logit: bool = False, chunk_size: int = 1024) -> _Plan:
         if self._kind != "causal_lm":
             raise ValueError(f"the {self.role} is a value model; it has no token log-probs.")
         self._check_length(input_ids.shape[1])
@@ -319,19 +366,12 @@ class MegatronEngine(TrainingEngine):
             attention_mask = torch.ones_like(input_ids)
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
-        flat = select.dtype != torch.bool
-        tgt = targets if flat else targets[select]
-        start = self._tp_rank * (self._ctx.padded_vocab_size // self.dims.tp)
-
-        def finish(logits: torch.Tensor) -> TokenStats:
-            rows = logits.reshape(-1, logits.shape[-1]).index_select(0, select) if flat else logits[select]
-            logp, entropy, log_sum_sq, mean_logit = token_stats(
-                rows, tgt, vocab_start=start, vocab_size=self._arch.vocab_size, temperature=temperature,
-                with_entropy=with_entropy, with_log_sum_sq=with_log_sum_sq, with_mean_logit=with_mean_logit,
-                reduce_sum=self._tp_sum, reduce_max=self._tp_max)
-            return TokenStats(logp=logp, entropy=entropy, mean_logit=mean_logit, log_sum_sq=log_sum_sq)
-
-        return _Plan(input_ids, position_ids, attention_mask_4d(attention_mask), finish)
+        tgt = targets if select.dtype != torch.bool else targets[select]
+        plan = _Plan(input_ids, position_ids, attention_mask_4d(attention_mask), lambda _: None, head_rows=select)
+        plan.finish = lambda _output: self._head_stats(
+            plan.head_hidden, tgt, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
+            with_log_sum_sq=with_log_sum_sq, with_mean_logit=with_mean_logit)
+        return plan
 
     def _values_plan(self, input_ids, select, attention_mask, position_ids) -> _Plan:
         if self._kind != "value":
@@ -362,7 +402,8 @@ class MegatronEngine(TrainingEngine):
                 raise ValueError("a router aux loss (Mixture of Experts) is not bridged to backend='megatron'.")
             ids, mask, select, targets = rollout_positions(batch)
             plan = self._stats_plan(ids, targets, select, mask, None, with_entropy=request.with_entropy,
-                                    temperature=request.temperature if request.temperature > 0 else 1.0)
+                                    temperature=request.temperature if request.temperature > 0 else 1.0,
+                                    chunk_size=request.chunk_size)
             stats = plan.finish
             plan.finish = lambda out: PolicyOutput(
                 logp=scatter_completion(batch, (s := stats(out)).logp),
@@ -371,7 +412,8 @@ class MegatronEngine(TrainingEngine):
         if isinstance(request, SamplingStatistics):
             ids, mask, select, targets = rollout_positions(batch)
             plan = self._stats_plan(ids, targets, select, mask, None, with_log_sum_sq=True,
-                                    temperature=request.temperature if request.temperature > 0 else 1.0)
+                                    temperature=request.temperature if request.temperature > 0 else 1.0,
+                                    chunk_size=request.chunk_size)
             stats = plan.finish
             plan.finish = lambda out: (scatter_completion(batch, (s := stats(out)).logp),
                                        scatter_completion(batch, s.log_sum_sq.exp()))
@@ -389,7 +431,7 @@ class MegatronEngine(TrainingEngine):
             plan = self._stats_plan(query.input_ids, query.targets, query.select, query.attention_mask,
                                     query.position_ids, temperature=query.temperature,
                                     with_entropy=query.with_entropy, with_log_sum_sq=query.with_log_sum_sq,
-                                    with_mean_logit=query.with_mean_logit)
+                                    with_mean_logit=query.with_mean_logit, chunk_size=query.chunk_size)
             stats = plan.finish
             plan.finish = lambda out: request.from_stats(stats(out), batch)
             return plan
@@ -409,7 +451,7 @@ class MegatronEngine(TrainingEngine):
             raise ValueError("a router aux loss (Mixture of Experts) is not bridged to backend='megatron'.")
         plan = self._stats_plan(input_ids, targets, select, attention_mask, position_ids, temperature=temperature,
                                 with_entropy=with_entropy, with_log_sum_sq=with_log_sum_sq,
-                                with_mean_logit=with_mean_logit)
+                                with_mean_logit=with_mean_logit, chunk_size=chunk_size)
         return plan.finish(self._run(plan))
 
     def token_values(self, input_ids, select, *, attention_mask=None, position_ids=None) -> torch.Tensor:
@@ -457,7 +499,7 @@ class MegatronEngine(TrainingEngine):
                 output = forward.run(self, batch)  # the request calls the primitives, which run the model
                 finish = None
             else:
-                output = model(plan.input_ids, plan.position_ids, plan.attention_mask)
+                output = self._run(plan, model)
                 finish = plan.finish
 
             def loss_func(output_tensor):

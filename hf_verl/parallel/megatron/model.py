@@ -4,7 +4,8 @@
 an :class:`Architecture` (the numbers both the Megatron config and the bridge need), refusing what the local
 Megatron layers would compute differently (rope scaling, biases outside q/k/v, another activation), naming
 the setting. :func:`build_stage` builds this rank's stage of a `GPTModel` with Megatron-Core's local layer spec
-(no Transformer Engine, so the same code runs on CPU and GPU), for a causal LM (vocabulary-parallel head, or tied
+(no Transformer Engine, so the same code runs on CPU and GPU; its core attention through PyTorch's SDPA,
+:mod:`~hf_verl.parallel.megatron.attention`), for a causal LM (vocabulary-parallel head, or tied
 to the embedding) or a value model (a one-output head, replicated over tensor-parallel ranks).
 """
 
@@ -115,8 +116,18 @@ def transformer_config(arch: Architecture, *, tp: int, pp: int, dtype: torch.dty
     import_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from hf_verl.parallel.megatron.compat import QUIET
+
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
         if gradient_checkpointing else {}
+    with warnings.catch_warnings():
+        for category, message in QUIET:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        return _transformer_config(TransformerConfig, arch, tp, pp, dtype, sequence_parallel, recompute)
+
+
+def _transformer_config(TransformerConfig, arch, tp, pp, dtype, sequence_parallel, recompute):
+    """The `TransformerConfig` itself (see :func:`transformer_config`)."""
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads,
         num_query_groups=arch.num_query_groups, kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
@@ -154,6 +165,9 @@ def build_stage(arch: Architecture, config: Any, *, role_kind: str, pre_process:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Apex is not installed. Falling back to Torch Norm": expected here
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
+        from hf_verl.parallel.megatron.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention  # PyTorch's fused kernels
         tied = arch.tied and role_kind == "causal_lm"
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.padded_vocab(tp),
                          max_sequence_length=arch.max_positions, pre_process=pre_process, post_process=post_process,
