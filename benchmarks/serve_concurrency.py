@@ -8,7 +8,8 @@ commit that had it; or `--baseline-file`) into a temporary folder and imported o
 each server, `--clients` threads (32) each send `--requests` completion requests back to back on one
 kept-alive connection (text prompts, `--tokens` new tokens at temperature 1, `--n` choices), after a warm-up
 of one request per client; latency is per request, from send to the last byte (with `--stream`, to
-`[DONE]`). Prints one line per run, then the median over repeats per server and the new / old ratios.
+`[DONE]`). Requests the baseline fails (its listen backlog resets connections under many clients) are
+counted, not fatal; the new server must answer all. Prints one line per run, then the median over repeats per server and the new / old ratios.
 
 Usage: python benchmarks/serve_concurrency.py [--clients 32] [--requests 8] [--tokens 16] [--repeats 3]
                                              [--stream] [--threads 1] [--baseline-rev REV]
@@ -134,11 +135,14 @@ def run_once(which: str, model_dir: str, args, baseline_file: str | None) -> dic
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    if errors or not latencies:
+    if not latencies or (errors and which == "new"):
         raise RuntimeError(f"{which}: {len(errors)} failed requests, e.g. {errors[:3]}")
     latencies.sort()
+    # the stdlib baseline's listen backlog (socketserver's request_queue_size, 5) resets connections under many
+    # clients: its failures are counted and reported, its figures are over the requests it answered
     return {"rps": len(latencies) / wall, "p50": statistics.median(latencies),
-            "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]}
+            "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], "failed": len(errors),
+            "first_error": errors[0] if errors else ""}
 
 
 def baseline_source(args, folder: str) -> str:
@@ -199,11 +203,13 @@ def main() -> None:
                 r = run_once(which, tmp, args, baseline)
                 runs[which].append(r)
                 print(f"  run {repeat} {which}: {r['rps']:8.2f} req/s  p50 {r['p50'] * 1e3:8.1f} ms  "
-                      f"p99 {r['p99'] * 1e3:8.1f} ms", flush=True)
-    summary = {which: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50", "p99")}
+                      f"p99 {r['p99'] * 1e3:8.1f} ms  failed {r['failed']}"
+                      + (f" (e.g. {r['first_error']})" if r["failed"] else ""), flush=True)
+    summary = {which: {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50", "p99", "failed")}
                for which, rs in runs.items()}
     for which, s in summary.items():
-        print(f"{which:4s} median: {s['rps']:8.2f} req/s  p50 {s['p50'] * 1e3:8.1f} ms  p99 {s['p99'] * 1e3:8.1f} ms")
+        print(f"{which:4s} median: {s['rps']:8.2f} req/s  p50 {s['p50'] * 1e3:8.1f} ms  p99 {s['p99'] * 1e3:8.1f} ms  "
+              f"failed {s['failed']:g} of {args.clients * (args.requests + 1)}")
     if {"new", "old"} <= set(summary):
         new, old = summary["new"], summary["old"]
         print(f"new/old: req/s x{new['rps'] / old['rps']:.2f}  p50 x{new['p50'] / old['p50']:.2f}  "
