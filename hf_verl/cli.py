@@ -30,8 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (group size).")
     demo.add_argument("--prompts-per-step", type=int, default=16, help="Unique prompts per GRPO step.")
     demo.add_argument("--max-completion-length", type=int, default=6, help="Tokens per completion.")
-    serve = sub.add_parser("serve", help="Serve a model for rollouts (OpenAI-compatible, versioned weight updates).")
-    serve.add_argument("model", help="Hub id or local path of a causal LM.")
+    serve = sub.add_parser("serve", help="Serve a model for rollouts (OpenAI-compatible, versioned weight updates), "
+                                         "or a reward model on vLLM's /classify route.")
+    serve.add_argument("model", help="Hub id or local path of a causal LM (or of a sequence-classification model).")
+    serve.add_argument("--task", default="auto", choices=["auto", "generate", "classify"],
+                       help="generate: /v1/completions; classify: a sequence-classification (reward) model on "
+                            "/classify as vLLM serves it; auto: classify when the config names a "
+                            "*ForSequenceClassification architecture.")
     serve.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     serve.add_argument("--host", default="127.0.0.1", help="Bind address (a non-loopback host needs a token).")
     serve.add_argument("--port", type=int, default=8000)
@@ -54,13 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_serve(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from hf_verl.rollout.hf_engine import TransformersEngine
+    from hf_verl.serve.classify import is_classifier
     from hf_verl.serve.server import RolloutServer, read_token
 
-    token = read_token(args.token_file)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    task = args.task
+    if task == "auto":
+        config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+        task = "classify" if is_classifier(config) else "generate"
+    if task == "classify":
+        return run_serve_classify(args, tokenizer)
+    token = read_token(args.token_file)
     if args.engine == "vllm":
         from hf_verl.rollout.vllm_engine import VLLMEngine
 
@@ -76,6 +88,27 @@ def run_serve(args) -> int:
     server = RolloutServer(engine, tokenizer, names[0], host=args.host, port=args.port, token=token,
                            served_model_names=names, max_n=args.max_n, max_tokens=args.max_tokens,
                            max_prompts=args.max_prompts, max_batch_rows=args.max_batch_rows)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.shutdown()
+    return 0
+
+
+def run_serve_classify(args, tokenizer) -> int:
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from hf_verl.serve.classify import ClassifyServer
+
+    if args.engine != "transformers":
+        raise SystemExit("--task classify runs on --engine transformers; for vLLM use "
+                         "`vllm serve <model> --runner pooling` (the same /classify route).")
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype), use_safetensors=True, trust_remote_code=args.trust_remote_code)
+    names = args.served_model_name or [args.model]
+    server = ClassifyServer(model, tokenizer, names[0], host=args.host, port=args.port, served_model_names=names,
+                            max_prompts=args.max_prompts)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

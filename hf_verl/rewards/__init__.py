@@ -1,1 +1,2 @@
-"""Reward sources behind one interface: callables, Hub reward models, rule scorers."""
+"""Reward sources behind one interface: callables, Hub reward models, reward models behind a URL (`remote`),
+rule scorers."""

@@ -154,11 +154,13 @@ def align_processing_classes(num_reward_funcs: int, processing_classes: Any) -> 
 
 
 def resolve_reward_sources(sources: Any, processing_classes: Any = None, *, defer_checks: bool = False) -> list:
-    """One reward function per source: callables stay, ids / paths / models become :class:`RewardModelScorer`.
+    """One reward function per source: callables stay, ids / paths / models become :class:`RewardModelScorer`,
+    URLs a :class:`~hf_verl.rewards.remote.RemoteRewardModel`.
 
     Args:
         sources: a reward function (TRL's convention), a reward model (Hub id, path or
-            `AutoModelForSequenceClassification`), or a list of them.
+            `AutoModelForSequenceClassification`), the URL of a server that scores one (`http://...`, vLLM's
+            `/classify` route: :class:`~hf_verl.rewards.remote.RemoteRewardModel`), or a list of them.
         processing_classes: the reward models' tokenizers: one for all, or a list aligned with `sources`
             (None entries load the model's own).
         defer_checks (`bool`): check ids at the first call rather than now (nothing is loaded either way).
@@ -176,8 +178,12 @@ def resolve_reward_sources(sources: Any, processing_classes: Any = None, *, defe
     if len(tokenizers) != len(funcs):
         raise ValueError(f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward sources.")
     out = []
+    from hf_verl.rewards.remote import RemoteRewardModel, is_url
+
     for func, tok in zip(funcs, tokenizers):
-        if isinstance(func, (str, os.PathLike)):
+        if is_url(func):
+            func = RemoteRewardModel(func, tokenizer=tok)
+        elif isinstance(func, (str, os.PathLike)):
             func = RewardModelScorer(os.fspath(func), tok, defer_check=defer_checks)
         elif isinstance(func, torch.nn.Module):
             func = RewardModelScorer(func, tok)

@@ -182,3 +182,24 @@ class WeightPath(BaseModel):
     """`POST /v1/weights` with a JSON body: load a safetensors file, or every one in a folder."""
 
     path: str = Field(description="A .safetensors file or a folder of them, readable by the server.")
+
+
+class ClassifyRequest(BaseModel):
+    """`POST /classify` (also `/v1/classify`): vLLM's classification request (completion form), so that a
+    client scores through either server. A reward model (`num_labels=1`) is read with `use_activation=false`
+    (the raw logit, the reward); the default applies vLLM's activation (sigmoid for one label, else softmax)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="A served model name (`GET /v1/models`); others are a 404.")
+    input: Prompt = Field(description="Text, token ids, or a list of either (one result per input).")
+    use_activation: bool | None = Field(None, description="False: raw logits in `probs`; None/True: vLLM's "
+                                                          "activation (sigmoid for one label, else softmax).")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS) to text inputs.")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep the last N tokens (-1: the "
+                                                                        "model's context).")
+    user: str | None = None
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        return self.input
