@@ -28,8 +28,10 @@ whatever the engine and however stale the rollout).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
+from dataclasses import replace
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -38,7 +40,7 @@ import torch
 from hf_verl.data.prompts import check_prompt_column, ensure_pad_token
 from hf_verl.data.batch import LossInputs
 from hf_verl.engine.base import TrainingEngine
-from hf_verl.engine.registry import launch_role_layout, make_engine
+from hf_verl.engine.registry import ENGINES, launch_role_layout, make_engine
 from hf_verl.engine.step import LogProbs, OptimizerSpec, PolicyOutput, Values
 from hf_verl.facade.config import CRITIC_FREE_CHOICES, TrainerConfig
 from hf_verl.facade.debug import (
@@ -50,18 +52,21 @@ from hf_verl.facade.debug import (
     peak_memory_mb,
     trace,
 )
+from hf_verl.facade.placement import BACKENDS, COLOCATED, check_placement, memory_estimate, placement_line
 from hf_verl.facade.roles import LazyModel, model_device_dtype, vocab_size
 from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
-from hf_verl.parallel import comm
+from hf_verl.parallel import comm, watchdog
 from hf_verl.parallel.capabilities import parallelism_report, supported_parallelisms
 from hf_verl.pipeline import generation, losses, phases
+from hf_verl.pipeline.cross_tokenizer import CrossTokenizer, same_tokenizer
 from hf_verl.pipeline.orchestrator import END, Round, RoundHost, RoundOrchestrator
 from hf_verl.pipeline.prefetch import frozen_copy
 from hf_verl.pipeline.rounds import Collected, RoundCollector
 from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.tool_rollout import ToolRollout, tool_frequencies, tool_metrics
 from hf_verl.rewards.callables import combine_rewards, reward_func_name
-from hf_verl.rewards.reward_model import resolve_reward_sources
+from hf_verl.rewards.remote import RemoteRewardModel, is_url
+from hf_verl.rewards.reward_model import RewardModelScorer, resolve_reward_sources
 from hf_verl.rollout.base import RolloutEngine
 
 logger = TraceLogger(logging.getLogger(__name__), {})
@@ -89,6 +94,13 @@ class Trainer:
         rollout_engine ([`RolloutEngine`], *optional*): generation engine for `actor_model`;
             defaults to a [`TransformersEngine`] sharing the actor's weights (a replica of them when
             the actor is sharded).
+        reference_tokenizer (*optional*): the reference's tokenizer. A reference given by id or path loads its
+            own; one given as an object without it is taken to share the actor's. When it differs from the
+            actor's (vocabulary or special tokens), the reference scores the decoded text re-tokenised with it and
+            its log-probs are aligned to the actor's tokens by character offsets (docs/placement.md).
+        placement (`dict`, *optional*): where roles run, `{"reference" | "critic": "colocated" | "ddp" | "fsdp2" |
+            "zero1" | "zero2" | "zero3", "generator": "colocated" | "<URL of a /v1/completions server>"}`
+            (every role colocated by default; :mod:`hf_verl.facade.placement`). `placement()` reports it.
         tools (`list[Callable]`, *optional*): functions (type hints, Google-style docstring) the actor
             may call while generating, as with `GRPOTrainer(tools=...)`: rollouts become multi-turn
             (at most `config.max_tool_calling_iterations` tool rounds, `max_completion_length` tokens in
@@ -105,8 +117,19 @@ class Trainer:
                  reference_model: Any = None, tokenizer: Any = None, dataset: Any = None,
                  config: TrainerConfig | Mapping | None = None, *, reward_tokenizer: Any = None,
                  reward_weights: Sequence[float] | None = None, rollout_engine: RolloutEngine | None = None,
-                 tools: Sequence[Callable] | None = None) -> None:
+                 tools: Sequence[Callable] | None = None, reference_tokenizer: Any = None,
+                 placement: Mapping[str, str] | None = None) -> None:
         self.config = config if isinstance(config, TrainerConfig) else TrainerConfig(**dict(config or {}))
+        self._placement = check_placement(placement, has_reference=reference_model is not None,
+                                          has_critic=critic_model is not None,
+                                          world_size=int(os.environ.get("WORLD_SIZE", "1")), engines=tuple(ENGINES))
+        if is_url(self._placement["generator"]):
+            if rollout_engine is not None or isinstance(actor_model, RolloutEngine):
+                raise ValueError("placement['generator'] is a URL but a rollout engine was given too: pass one of "
+                                 "them.")
+            from hf_verl.rollout.remote import RemoteEngine
+
+            rollout_engine = RemoteEngine(self._placement["generator"])
         if isinstance(actor_model, RolloutEngine):
             rollout_engine, actor_model = actor_model, getattr(actor_model, "model", None)
             if actor_model is None:
@@ -121,10 +144,13 @@ class Trainer:
                                                                         **place)
         for role in self._model_roles():
             role.on_load.append(lambda _role: self._check_vocab())
+        self._reference_tokenizer = reference_tokenizer
+        self._tokenizer = tokenizer
+        self._engine = rollout_engine
+        self._cross: CrossTokenizer | None | bool = False  # False: not decided yet
         self._check_vocab()
         self.reward_funcs = resolve_reward_sources(reward_model, reward_tokenizer, defer_checks=True)
         self.reward_weights = reward_weights
-        self._tokenizer = tokenizer
         self._tool_rollout = ToolRollout(tools) if tools else None
         self._tools_checked = False
         if self._tool_rollout is not None and (tokenizer or getattr(rollout_engine, "tokenizer", None)) is not None:
@@ -135,6 +161,7 @@ class Trainer:
         self._order: list[int] = []
         self._epoch = 0
         self._layout = None  # (backend, dims, accelerator), decided on first use
+        self.layout_plan = None  # the planner's Plan when config.parallel / model_size asked for one
         self._engines: dict[str, TrainingEngine] = {}
         self._sharded_rewards = 0
         self._moves_logged: set[str] = set()
@@ -159,19 +186,89 @@ class Trainer:
         return [r for r in (self.actor, self.critic, self.reference) if r is not None]
 
     def _check_vocab(self) -> None:
-        """Actor, reference and critic read the same token ids: their vocabularies must agree."""
+        """A critic, and a reference on the actor's tokenizer, read the actor's token ids: their embeddings must
+        agree with the actor's. A reference on another tokenizer (decided from the tokenizers, not from sizes) reads
+        its own re-tokenised ids and is not checked here."""
         if not self.actor.loaded:
             return
         actor_v = vocab_size(self.actor.get())
         for role in (self.reference, self.critic):
             if role is not None and role.loaded:
+                if role is self.reference and self._reference_tokenizer_known() and self._reference_cross():
+                    continue
                 other = vocab_size(role.get())
                 if None not in (actor_v, other) and actor_v != other:
+                    hint = (" or, if it has another tokenizer, pass reference_tokenizer= (it is then scored on the "
+                            "re-tokenised text)") if role is self.reference else ""
                     raise ValueError(
                         f"the actor ({self.actor.name}) has a vocabulary of {actor_v} tokens but the {role.role} "
                         f"({role.name}) has {other}: the {role.role} reads the actor's token ids, so both need "
-                        "the same tokenizer and embedding size."
+                        f"the same tokenizer and embedding size{hint}."
                     )
+
+    def _reference_tokenizer_known(self) -> bool:
+        """Whether both tokenizers can be had without loading from an object that has no id."""
+        ref_ok = self._reference_tokenizer is not None or (self.reference is not None
+                                                           and isinstance(self.reference.source, str))
+        actor_ok = self._tokenizer is not None or getattr(self._engine, "tokenizer", None) is not None or isinstance(
+            self.actor.source, str)
+        return ref_ok and actor_ok
+
+    def _reference_cross(self) -> CrossTokenizer | None:
+        """The re-tokenisation of a reference on another tokenizer, or None when it shares the actor's (decided
+        once, from the tokenizers: :func:`~hf_verl.pipeline.cross_tokenizer.same_tokenizer`)."""
+        if self._cross is False:
+            self._cross = None
+            if self.reference is not None and self._reference_tokenizer_known():
+                if self._reference_tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    self._reference_tokenizer = AutoTokenizer.from_pretrained(self.reference.source)
+                if not same_tokenizer(self.tokenizer, self._reference_tokenizer):
+                    self._cross = CrossTokenizer(self.tokenizer, self._reference_tokenizer, role="reference")
+                    logger.info("the reference (%s) has another tokenizer than the actor: it scores the decoded text "
+                                "re-tokenised with its own, aligned to the actor's tokens by character offsets",
+                                self.reference.name)
+        return self._cross
+
+    def placement(self) -> list[str]:
+        """One line per role, also logged: its backend, its ranks or URL, its layout and a memory estimate (the
+        planner's, "n/a" until it is installed). Lays out (and so loads) the model roles.
+
+        Returns:
+            `list[str]`: lines `"<role>: backend=... where=... layout=... memory=..."` for the actor, the
+            reference (or the actor with adapters off), the critic, each reward source and the generator.
+        """
+        layout, _ = self._launch_layout()
+        ranks = f"ranks 0-{layout.dims.world_size - 1}" if layout.dims.world_size > 1 else "rank 0"
+        lines = []
+        for name in ("actor", "reference", "critic"):
+            engine = self._role_engine(name)
+            if engine is None:
+                continue
+            choice = self._placement.get(name, COLOCATED)
+            axes = " ".join(f"{a}={getattr(engine.dims, a)}" for a in engine.dims.enabled) or "one process"
+            extra = " cross-tokenizer" if name == "reference" and self._reference_cross() else ""
+            where = f"{ranks} ({'colocated' if choice == COLOCATED else 'own layout'}{extra})"
+            lines.append(placement_line(name, engine.backend.label, where, axes,
+                                        memory_estimate(engine.model if hasattr(engine, "model") else None, layout)))
+        for func in self.reward_funcs:
+            label = f"reward[{reward_func_name(func)}]"
+            if isinstance(func, RemoteRewardModel):
+                lines.append(placement_line(label, "server", func.url, "remote", "n/a (remote)"))
+            elif isinstance(func, RewardModelScorer):
+                lines.append(placement_line(label, "local model", ranks, "replica on every rank" if not
+                                            self._sharded_rewards else "sharded with the actor", "n/a"))
+            else:
+                lines.append(placement_line(label, "callable", ranks, "python", "n/a"))
+        engine = self.engine
+        url = getattr(engine, "base_url", None)
+        lines.append(placement_line("generator", type(engine).__name__, url or ranks,
+                                    "remote" if url else "colocated", "n/a" if url else "shares the actor's"))
+        if self.dims.is_main:
+            for line in lines:
+                logger.info("placement: %s", line)
+        return lines
 
     @property
     def model(self) -> torch.nn.Module:
@@ -205,16 +302,36 @@ class Trainer:
             from hf_verl.parallel.megatron.launch import resolve_megatron_settings
 
             check_accelerate_parallelism()  # before accelerate builds groups of its own
+            self._plan_layout()
             cfg = self.config
             backend, tp, pp = resolve_megatron_settings(  # an accelerate MEGATRON_LM launch is hf_verl's to run
                 "TrainerConfig", cfg.backend, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                 cfg.sequence_parallel_size)
-            accelerator = Accelerator(cpu=not torch.cuda.is_available())
+            from datetime import timedelta
+
+            from accelerate.utils import InitProcessGroupKwargs
+
+            accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[
+                InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))])
+            # a rank stalled past ddp_timeout is named instead of hanging; the process group is left cleanly at exit
+            watchdog.start(cfg.ddp_timeout)
+            watchdog.set_step(self.global_step + 1)
             layout = launch_role_layout(accelerator.num_processes, sequence_parallel_size=cfg.sequence_parallel_size,
                                         tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                         engine="megatron" if backend == "megatron" else None)
             self._layout = (layout, accelerator)
         return self._layout
+
+    def _plan_layout(self) -> None:
+        """`config.parallel="auto"`, or a `config.model_size` set with `parallel` left at None: the planner's layout
+        for this launch, written into the config before any role is loaded (:mod:`hf_verl.parallel.planner.apply`);
+        an explicit layout wins and the log says so."""
+        cfg = self.config
+        if cfg.parallel == "manual" or (cfg.parallel is None and cfg.model_size is None):
+            return
+        from hf_verl.parallel.planner.apply import apply_facade_plan
+
+        self.layout_plan = apply_facade_plan(cfg, cfg.model_size if cfg.model_size is not None else self.actor.source)
 
     @property
     def dims(self):
@@ -228,6 +345,9 @@ class Trainer:
             return None
         if name not in self._engines:
             layout, accelerator = self._launch_layout()
+            choice = self._placement.get(name, COLOCATED)
+            if choice != COLOCATED and layout.dims.world_size > 1:  # its own layout over the launch's processes
+                layout = replace(layout.with_backend(BACKENDS[choice]), colocated=False)
             model = role.get()
             if name == "actor" and layout.backend.partitions_parameters and self._engine is None:
                 # a sharded actor cannot generate: the default engine gets a replica, made before sharding
@@ -498,7 +618,7 @@ class Trainer:
             return phases.reference_logprobs(None, self.actor_engine, out, **kw)
         moved = self._into("reference", reference, out)
         self._record("actor->reference", {"input_ids": moved.input_ids, "attention_mask": moved.attention_mask})
-        lp = phases.reference_logprobs(reference, self.actor_engine, moved, **kw)
+        lp = phases.reference_logprobs(reference, self.actor_engine, moved, cross=self._reference_cross(), **kw)
         self._record("reference->rollout", {"ref_logprobs": lp})
         return lp.to(device=out.device, dtype=torch.float32)
 
@@ -642,6 +762,11 @@ class Trainer:
         return stats
 
     def _on_config_change(self, name: str, old: Any, new: Any) -> None:
+        if name == "ddp_timeout" and self._layout is not None:
+            watchdog.start(new)
+        if name in ("model_size", "parallel") and self._layout is not None:
+            logger.warning("config.%s changed after the roles were laid out (%s): the layout is planned once, before "
+                           "anything is loaded; set it before the first rollout", name, self._layout[0].label)
         cfg = self.config
         actor, critic = self._engines.get("actor"), self._engines.get("critic")
         updates: list[tuple[TrainingEngine | None, str, Any]] = []
@@ -689,6 +814,7 @@ class Trainer:
                 m["grad_norm/critic"] = critic.optimizer_step()
                 m["lr/critic"] = critic.last_lr()[0]
             self.global_step += 1
+            watchdog.set_step(self.global_step + 1)
             self._rounds.after_step()  # never while it generates: then synced before its next generation
             m.update({"weight_version": self.engine.weight_version, "step": self.global_step, "trace_id": trace_id})
             self._loss_metrics, self._loss_rollout, self._pending_loss = {}, None, None

@@ -23,8 +23,9 @@ from hf_verl.algorithms.policy_losses import entropy_quantile
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.step import LogProbs, SamplingStatistics, Values
-from hf_verl.parallel import comm
+from hf_verl.parallel import comm, watchdog
 from hf_verl.parallel.dims import ParallelDims
+from hf_verl.pipeline.cross_tokenizer import CrossTokenizer
 
 # estimators whose statistics span the round (groups, batch whitening): computed on gathered rows
 GLOBAL_ESTIMATORS = CRITIC_FREE_ESTIMATORS
@@ -45,12 +46,18 @@ def sampling_statistics(actor: TrainingEngine, batch: RolloutBatch, *, temperatu
 
 
 def reference_logprobs(reference: TrainingEngine | None, actor: TrainingEngine, batch: RolloutBatch, *,
-                       temperature: float, chunk_size: int, micro_batch: int) -> torch.Tensor:
-    """`(B, C)` log-probs under the reference: its own engine, else the actor with PEFT adapters off.
+                       temperature: float, chunk_size: int, micro_batch: int,
+                       cross: CrossTokenizer | None = None) -> torch.Tensor:
+    """`(B, C)` log-probs under the reference: its own engine, else the actor with PEFT adapters off. A reference
+    on another tokenizer (`cross`, :mod:`hf_verl.pipeline.cross_tokenizer`) scores the re-tokenised text and its
+    log-probs are aligned back to the actor's tokens by character offsets.
 
     Raises:
         ValueError: with neither a reference engine nor adapters to disable.
     """
+    if reference is not None and cross is not None:
+        return cross.logprobs(reference, actor, batch, temperature=temperature, chunk_size=chunk_size,
+                              micro_batch=micro_batch)
     if reference is not None:
         return policy_logprobs(reference, batch, temperature=temperature, chunk_size=chunk_size,
                                micro_batch=micro_batch)
@@ -84,6 +91,7 @@ def global_masked_whiten(dims: ParallelDims, values: torch.Tensor, mask: torch.T
     return whitened if shift_mean else whitened + mean
 
 
+@watchdog.phase("advantages", role="actor")
 def advantages(dims: ParallelDims, estimator: str, *, scores: torch.Tensor, mask: torch.Tensor,
                num_generations: int | None, gamma: float = 1.0, lam: float = 0.95,
                values: torch.Tensor | None = None, token_rewards: torch.Tensor | None = None,

@@ -1,0 +1,108 @@
+"""Per-role placement in the facade: what each role may be declared as, checks at construction, one line per role.
+
+`Trainer(..., placement={...})` declares, per role (docs/placement.md):
+
+- `"reference"`: `"colocated"` (default: the launch's layout, beside the actor) or a backend name (`"ddp"`,
+  `"fsdp2"`, `"zero1"`, `"zero2"`, `"zero3"`): its own layout over the launch's processes (on one process
+  `"ddp"` is the plain layout; Megatron is chosen for the whole launch, with `backend="megatron"`);
+- `"critic"`: the same choices (e.g. an FSDP2 critic beside a DDP actor);
+- `"generator"`: `"colocated"` (default: a `TransformersEngine` on the actor's weights) or the URL of any
+  `/v1/completions` server (`hf-verl serve`, `vllm serve`): a :class:`~hf_verl.rollout.remote.RemoteEngine`;
+- the reward model is declared by `reward_model=` itself: a callable, a local model (id, path or object), or a URL
+  (:class:`~hf_verl.rewards.remote.RemoteRewardModel`).
+
+A declaration that cannot run fails in :func:`check_placement`, at construction, naming the role and what to
+change. :func:`memory_estimate` asks the planner (`hf_verl.parallel.estimate_memory`) when it is installed, else
+answers "n/a".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_verl.parallel.backend import BackendSpec
+from hf_verl.rewards.remote import is_url
+
+BACKENDS = {"ddp": BackendSpec("ddp"), "fsdp2": BackendSpec("fsdp2"), "zero1": BackendSpec("deepspeed", 1),
+            "zero2": BackendSpec("deepspeed", 2), "zero3": BackendSpec("deepspeed", 3)}
+MODEL_ROLES = ("reference", "critic")
+COLOCATED = "colocated"
+
+
+def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool, has_critic: bool,
+                    world_size: int, engines: tuple[str, ...]) -> dict[str, str]:
+    """The validated placement (every declarable role filled in, "colocated" by default).
+
+    Args:
+        placement: `{role: choice}` as the module docstring lists.
+        has_reference / has_critic (`bool`): whether those roles were given a model.
+        world_size (`int`): processes of the launch.
+        engines (`tuple[str, ...]`): registered engine names (:data:`hf_verl.engine.registry.ENGINES`).
+
+    Raises:
+        ValueError: naming the role and what to change.
+    """
+    out = {"reference": COLOCATED, "critic": COLOCATED, "generator": COLOCATED}
+    for role, choice in dict(placement or {}).items():
+        if role == "reward":
+            raise ValueError("placement['reward']: a reward model is placed by what reward_model= is: a callable, a "
+                             "local model (id, path or object) or a server URL; drop it from placement.")
+        if role == "actor":
+            raise ValueError("placement['actor']: the actor runs on the launch's layout (accelerate launch / torchrun "
+                             "and its config); drop it from placement.")
+        if role not in out:
+            raise ValueError(f"placement has unknown role {role!r}; roles are {sorted(out)} (and reward_model=).")
+        if not isinstance(choice, str):
+            raise ValueError(f"placement[{role!r}] must be a string, got {type(choice).__name__}.")
+        if role == "generator":
+            if choice != COLOCATED and not is_url(choice):
+                raise ValueError(f"placement['generator'] = {choice!r}: use 'colocated' or the URL of a "
+                                 "/v1/completions server, e.g. 'http://127.0.0.1:8000'.")
+        else:
+            given = has_reference if role == "reference" else has_critic
+            if not given:
+                raise ValueError(f"placement[{role!r}] = {choice!r} but no {role} model was given: pass "
+                                 f"{role}_model=, or drop {role!r} from placement.")
+            if choice != COLOCATED:
+                if choice not in BACKENDS and choice != "megatron":
+                    raise ValueError(f"placement[{role!r}] = {choice!r}: choose 'colocated' or one of "
+                                     f"{sorted(BACKENDS) + ['megatron']}.")
+                if choice == "megatron":
+                    hint = "" if "megatron" in engines else " (it needs megatron-core: pip install 'hf_verl[megatron]')"
+                    raise ValueError(f"placement[{role!r}] = 'megatron': a Megatron layout is the whole launch's; set "
+                                     f"config backend='megatron' to run every role on it{hint}, or pick one of "
+                                     f"{sorted(BACKENDS)}.")
+                if world_size < 2 and choice != "ddp":
+                    raise ValueError(f"placement[{role!r}] = {choice!r} shards over processes but this launch has "
+                                     "one: launch 2 or more processes (accelerate launch / torchrun), or use "
+                                     "'colocated'.")
+                if choice.startswith("zero"):
+                    import importlib.util
+
+                    if importlib.util.find_spec("deepspeed") is None:
+                        raise ValueError(f"placement[{role!r}] = {choice!r} needs deepspeed: pip install deepspeed, "
+                                         "or use 'fsdp2'.")
+        out[role] = choice
+    return out
+
+
+def memory_estimate(model: Any, layout: Any) -> str:
+    """The planner's per-device memory estimate of `model` on `layout`, or "n/a" while the planner is not
+    installed (or cannot estimate this role)."""
+    try:
+        from hf_verl.parallel import estimate_memory  # the planner's hook (hf_verl/parallel/planner/)
+    except ImportError:
+        return "n/a"
+    try:
+        estimate = estimate_memory(model, layout)
+    except (TypeError, ValueError, NotImplementedError):
+        return "n/a"
+    if isinstance(estimate, (int, float)):
+        return f"{estimate / 2**30:.2f} GiB"
+    return str(estimate)
+
+
+def placement_line(role: str, backend: str, where: str, layout: str, memory: str) -> str:
+    """One role's line: `role: backend=... where=... layout=... memory=...`."""
+    return f"{role}: backend={backend} where={where} layout={layout} memory={memory}"
