@@ -180,6 +180,11 @@ SETTINGS: dict[str, Setting] = {
     "pipeline_model_parallel_size": Setting(1, (int,), _pos_int, "an int >= 1",
                                             "Megatron pipeline stages (backend='megatron')."),
     "seed": Setting(42, (int,), lambda v: True, "an int", "The run's seed: the dataset draw order and per-row seeds.", trainers=False),
+    "ddp_timeout": Setting(1800, (int,), _pos_int, "an int >= 1 (seconds)",
+                           "TrainingArguments' name: the process group's timeout, and the longest a rank waits for its "
+                           "peers in a collective before every rank reports the hang (role, phase, collective, the rank "
+                           "that never arrived) and the job exits (docs/watchdog.md). Read when the roles are first "
+                           "laid out; a later change sets the watchdog's timeout.", trainers=False),
     "per_row_sampling_seed": Setting(False, (bool,), lambda v: True, "True or False",
                                    "Sample each completion from its own stream seeded by (seed, rollout, row): "
                                    "rollouts then do not depend on how rows are batched or split over ranks."),

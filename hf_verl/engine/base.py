@@ -41,6 +41,7 @@ from hf_verl.engine.step import (
     SchedulerSpec,
     StepResult,
 )
+from hf_verl.parallel import watchdog
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
 
@@ -191,23 +192,41 @@ class TrainingEngine(abc.ABC):
             raise ValueError(f"the {self.role} engine is frozen; it runs no backward.")
         result = StepResult()
         last = len(micro_batches) - 1
-        for i, micro_batch in enumerate(micro_batches):
-            sync = contextlib.nullcontext() if forward_only or i == last else self.no_sync()
-            grad = torch.no_grad() if forward_only else contextlib.nullcontext()
-            with sync, grad:
-                output = forward.run(self, micro_batch)
-                loss, metrics = loss_fn(output, micro_batch)
-                result.losses.append(loss.detach())
-                result.metrics.append({k: float(v) for k, v in metrics.items()})
-                if keep_outputs:
-                    result.outputs.append(_detached(output))
-                # the forward's outputs must not outlive the backward: a branch the loss does not use (entropy with
-                # entropy_coef=0) would keep its saved tensors, a vocabulary-sized chunk each, through it
-                del output, metrics
-                if not forward_only:
-                    self._backward(loss * loss_scale)
-                del loss
+        with watchdog.phase("forward_backward", role=self.role):
+            for i, micro_batch in enumerate(micro_batches):
+                sync = contextlib.nullcontext() if forward_only or i == last else self.no_sync()
+                grad = torch.no_grad() if forward_only else contextlib.nullcontext()
+                with sync, grad:
+                    with watchdog.phase(f"forward {i + 1}/{last + 1}", collective=self._forward_collective()):
+                        output = forward.run(self, micro_batch)
+                        loss, metrics = loss_fn(output, micro_batch)
+                    result.losses.append(loss.detach())
+                    result.metrics.append({k: float(v) for k, v in metrics.items()})
+                    if keep_outputs:
+                        result.outputs.append(_detached(output))
+                    # the forward's outputs must not outlive the backward: a branch the loss does not use (entropy
+                    # with entropy_coef=0) would keep its saved tensors, a vocabulary-sized chunk each, through it
+                    del output, metrics
+                    if not forward_only:
+                        with watchdog.phase(f"backward {i + 1}/{last + 1}",
+                                            collective=self._backward_collective(reduces=i == last)):
+                            self._backward(loss * loss_scale)
+                    del loss
         return result
+
+    def _forward_collective(self) -> str | None:
+        """The collective a forward of this engine may wait in, for the watchdog: a sharded layout gathers its
+        parameters, a DDP replica broadcasts its buffers; None on one process (a forward is local work)."""
+        if self.dims.world_size == 1:
+            return None
+        return "all_gather" if self.backend.partitions_parameters else (
+            "broadcast" if self.dims.dp_size > 1 and self.trainable else None)
+
+    def _backward_collective(self, reduces: bool) -> str | None:
+        """The collective a backward waits in (the gradient reduction of the step's last micro-batch)."""
+        if not reduces or self.dims.dp_size == 1:
+            return None
+        return "reduce_scatter" if self.backend.shards else "all_reduce"
 
     @torch.no_grad()
     def infer(self, batch: Any, forward: ForwardRequest, *, micro_batch: int | None = None) -> Any:
@@ -216,12 +235,15 @@ class TrainingEngine(abc.ABC):
         :class:`PolicyOutput` field by field. The engine's train / eval mode is restored afterwards."""
         was_training = self.training
         self.train(False)
+        name = "".join("_" + c.lower() if c.isupper() else c for c in type(forward).__name__).lstrip("_")
         try:
-            if micro_batch is None:  # one forward over the whole batch (any type the request takes)
-                parts = [forward.run(self, batch)]
-            else:
-                size = max(1, micro_batch)
-                parts = [forward.run(self, batch.select(slice(i, i + size))) for i in range(0, batch.batch_size, size)]
+            with watchdog.phase(name, role=self.role), watchdog.phase("forward", collective=self._forward_collective()):
+                if micro_batch is None:  # one forward over the whole batch (any type the request takes)
+                    parts = [forward.run(self, batch)]
+                else:
+                    size = max(1, micro_batch)
+                    parts = [forward.run(self, batch.select(slice(i, i + size)))
+                             for i in range(0, batch.batch_size, size)]
         finally:
             self.train(was_training)
         return _concat(parts)

@@ -4,7 +4,9 @@ The RL pipeline needs a handful of them: gather the rewards of a round from ever
 rank before group normalisation, gather ragged per-token tensors (padded to the widest rank),
 sum token counts, average metrics. With one data-parallel rank every function returns its input,
 so callers never branch on the world size. Tensors travel on the mesh's device (gloo takes CPU
-tensors, NCCL CUDA ones) and come back on the caller's.
+tensors, NCCL CUDA ones) and come back on the caller's. Each collective runs under a
+:func:`~hf_verl.parallel.watchdog.collective` mark, so that a hang in it names the phase, the
+collective and the rank that never arrived.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hf_verl.parallel import watchdog
 from hf_verl.parallel.dims import ParallelDims
 
 
@@ -32,12 +35,14 @@ def gather_rows(dims: ParallelDims, tensor: torch.Tensor) -> torch.Tensor:
     group = dims.dp_group
     local = _to_comm(dims, tensor)
     sizes = [torch.zeros(1, dtype=torch.long, device=local.device) for _ in range(dims.dp_size)]
-    dist.all_gather(sizes, torch.tensor([local.shape[0]], device=local.device), group=group)
+    with watchdog.collective("all_gather"):
+        dist.all_gather(sizes, torch.tensor([local.shape[0]], device=local.device), group=group)
     rows = [int(s.item()) for s in sizes]
     width = max(rows)
     padded = F.pad(local, (0, 0) * (local.dim() - 1) + (0, width - local.shape[0])) if local.shape[0] < width else local
     parts = [torch.empty_like(padded) for _ in range(dims.dp_size)]
-    dist.all_gather(parts, padded, group=group)
+    with watchdog.collective("all_gather"):
+        dist.all_gather(parts, padded, group=group)
     return torch.cat([p[:n] for p, n in zip(parts, rows)]).to(tensor.device)
 
 
@@ -48,7 +53,8 @@ def gather_objects(dims: ParallelDims, items: list) -> list:
     import torch.distributed as dist
 
     parts: list = [None] * dims.dp_size
-    dist.all_gather_object(parts, list(items), group=dims.dp_group)
+    with watchdog.collective("all_gather_object"):
+        dist.all_gather_object(parts, list(items), group=dims.dp_group)
     return [x for part in parts for x in part]
 
 
@@ -83,7 +89,8 @@ def reduce(dims: ParallelDims, tensor: torch.Tensor, op: str = "sum") -> torch.T
     if op not in ops:
         raise ValueError(f"reduce op must be one of {tuple(ops)}, got {op!r}.")
     out = _to_comm(dims, tensor.clone())
-    dist.all_reduce(out, op=ops[op], group=dims.dp_group)
+    with watchdog.collective("all_reduce"):
+        dist.all_reduce(out, op=ops[op], group=dims.dp_group)
     if op == "mean":
         out = out / dims.dp_size
     return out.to(tensor.device)
@@ -101,7 +108,8 @@ def broadcast_replica(dims: ParallelDims, obj):
     group = dims.replica_group
     source = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     box = [obj]
-    dist.broadcast_object_list(box, src=source, group=group)
+    with watchdog.collective("broadcast"):
+        dist.broadcast_object_list(box, src=source, group=group)
     return box[0]
 
 
@@ -117,24 +125,14 @@ def barrier(dims: ParallelDims) -> None:
         return
     import torch.distributed as dist
 
-    dist.barrier()
+    with watchdog.collective("barrier"):
+        dist.barrier()
 
 
 def leave_together() -> None:
     """End a multi-process run: wait for every rank, then destroy the process group.
 
-    Call it last in a launched script. Ranks that simply exit one after another can abort a peer that
-    is still tearing its gloo connections down (seen on CPU machines in about one launch in ten: the
-    launch then fails with SIGABRT after training finished).
+    Runs by itself at interpreter exit once a trainer or the facade has started (see
+    :func:`hf_verl.parallel.watchdog.leave_together`, which this is); calling it last in a script is harmless.
     """
-    import gc
-
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        # objects no longer referenced but kept by a reference cycle (a trainer and its engines, whose sharded
-        # modules hold meshes over the group's sub-groups) are freed now, while the groups they use still exist,
-        # not at interpreter teardown after them
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+    watchdog.leave_together()

@@ -17,6 +17,7 @@ import torch
 
 from hf_verl.data.batch import RolloutBatch, pad_sequences
 from hf_verl.data.prompts import is_conversational
+from hf_verl.parallel import watchdog
 from hf_verl.rewards.callables import score_reward_funcs
 from hf_verl.rollout.base import (
     FINISH_LENGTH,
@@ -53,6 +54,7 @@ def batch_from_output(prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Any
     return batch
 
 
+@watchdog.phase("generate", role="rollout")
 def generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Any],
              sampling: SamplingParams, tokenizer: Any, device: torch.device | str, *,
              row_seeds: Sequence[int] | None = None, version: int | None = None,
@@ -114,6 +116,7 @@ def batch_from_rollout_func(output: Any, prompts: Sequence[Any], tokenizer: Any,
     return batch.validate(), columns
 
 
+@watchdog.phase("score", role="reward")
 def score_texts(reward_funcs: Sequence[Any], prompts: Sequence[Any], completions: Sequence[Any],
                 completion_ids: Sequence[Sequence[int]], columns: dict[str, list]) -> torch.Tensor:
     """`(N, num_sources)` scores of decoded completions (NaN where a source returned None). For conversational

@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_verl.parallel import watchdog
 from hf_verl.pipeline.prefetch import RolloutPrefetcher
 from hf_verl.pipeline.rounds import Collected, round_row_seeds
 from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
@@ -201,7 +202,8 @@ class RoundOrchestrator:
         pending, served, wait_s, item = self.pending.pop(key, None), None, 0.0, END
         if pending is not None:
             t0 = time.perf_counter()
-            served = pending.future.result()  # a background error is raised here, as it was raised
+            with watchdog.phase("wait_prefetch", role="rollout"):
+                served = pending.future.result()  # a background error is raised here, as it was raised
             wait_s = time.perf_counter() - t0
             if matches is not None and not matches(pending.item):
                 logger.warning("the prefetched rollout does not match this round's rows; rolling them out synchronously")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from hf_verl.engine.base import TrainingEngine
-from hf_verl.parallel import comm
+from hf_verl.parallel import comm, watchdog
 from hf_verl.rollout.base import RolloutEngine
 from hf_verl.parallel.weight_export import DEFAULT_BUCKET_BYTES
 
@@ -38,6 +38,7 @@ def is_shared_server(engine: RolloutEngine) -> bool:
     return isinstance(engine, RemoteEngine)
 
 
+@watchdog.phase("weight_sync", role="actor")
 def sync_weights(actor: TrainingEngine, engine: RolloutEngine) -> float:
     """Bring `engine` to the actor's current weights (see the module docstring); returns seconds spent.
 

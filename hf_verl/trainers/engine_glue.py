@@ -26,6 +26,7 @@ from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.module import EngineModule
 from hf_verl.engine.registry import RoleLayout, launch_role_layout, make_engine
 from hf_verl.engine.step import OptimizerSpec, SchedulerSpec, StepResult
+from hf_verl.parallel import watchdog
 from hf_verl.trainers.rollout_args import RolloutArguments
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ class EngineOptimizer:
         return self._norm
 
     def step(self, closure=None) -> None:
-        norm = self.engine.optimizer_step()
+        with watchdog.phase("optimizer_step", role=self.engine.role):
+            norm = self.engine.optimizer_step()
         if self._norm is not None:
             self._norm.fill_(float("nan") if norm is None else norm)
             self._norm = None
@@ -194,6 +196,8 @@ class EngineTrainerMixin:
         self.actor = self._make_engine(self.model, "actor", trainable=True)
         self._engine_module = EngineModule(self.actor)
         self.model_wrapped = self._engine_module
+        # a rank stalled past ddp_timeout is named instead of hanging; the process group is left cleanly at exit
+        watchdog.start(self.args.ddp_timeout)
 
     def _over_data_parallel_ranks(self, dataloader):
         """`dataloader` (prepared by accelerate over every process) dealt over the data-parallel ranks instead: the
@@ -279,6 +283,7 @@ class EngineTrainerMixin:
         if window is None or self._window_pos >= len(window) or window[self._window_pos] is not inputs:
             window, self._window, self._window_pos = [inputs], None, 0
         if self._window_pos == 0:
+            watchdog.set_step(self.state.global_step + 1)
             self._window_losses = self._train_window(window)
         loss = self._window_losses[self._window_pos]
         self._window_pos += 1
