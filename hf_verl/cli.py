@@ -19,9 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None, help="Hub id or path of a causal LM (default: a tiny Llama built in code).")
     demo.add_argument("--dataset", default=None,
                       help="Dataset name/path with 'prompt' and 'answer' columns (default: the reverse-string task).")
-    demo.add_argument("--output-dir", default="hf_verl_demo", help="Where metrics.jsonl and reward.png go.")
+    demo.add_argument("--output-dir", default="hf_verl_demo",
+                      help="Root of the runs: each run gets <output-dir>/<algo>/<time>-seed<seed>/ (metrics.jsonl, "
+                           "reward.png, summary.json, model/) and <output-dir>/latest points at the last one.")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--max-steps", type=int, default=500, help="GRPO steps.")
+    demo.add_argument("--max-steps", type=int, default=500, help="RL optimizer steps.")
     demo.add_argument("--rl-seconds", type=float, default=None,
                       help="Stop the RL phase early after this long (default: run all --max-steps).")
     demo.add_argument("--dpo-loss", default="sigmoid,sft",
@@ -124,6 +126,13 @@ def print_summary(result) -> None:
     for key, value in result.extra.items():
         print(f"{key.replace('_', ' ')}: {value:.1%}")
     print(f"wrote {', '.join(result.files)} (total {result.wall_seconds:.0f} s)")
+    model_dir = result.model_dir
+    print(f"trained model: {model_dir}  ({result.latest} points at this run)")
+    print("  serve it (from the activated venv: source .venv/bin/activate):")
+    print(f"    hf-verl serve {model_dir} --served-model-name demo")
+    print("  load it in Python:")
+    print(f"    AutoModelForCausalLM.from_pretrained({model_dir!r}); AutoTokenizer.from_pretrained({model_dir!r})")
+    print("  more: docs/saving_and_serving.md")
 
 
 def main(argv: list[str] | None = None) -> int:

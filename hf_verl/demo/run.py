@@ -2,7 +2,8 @@
 
 Offline and CPU-only by default: the model (a 0.33M-parameter Llama) and its character-level
 tokenizer are built in code. `--model` / `--dataset` switch to a Hub (or local) model and a
-dataset with `prompt` and `answer` columns.
+dataset with `prompt` and `answer` columns. Each run writes a folder of its own and saves the trained
+model there (`hf_verl/demo/outputs.py` has the layout).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_verl.demo.outputs import MODEL_DIR, new_run_dir, point_latest, save_trained_model
 from hf_verl.demo.task import build_char_tokenizer, make_split, reverse_reward
 
 logger = logging.getLogger(__name__)
@@ -29,7 +31,9 @@ class DemoResult:
     rl_steps: int
     rl_seconds: float
     wall_seconds: float
-    output_dir: str
+    output_dir: str  # this run's folder
+    model_dir: str = ""  # the trained model (from_pretrained / hf-verl serve)
+    latest: str = ""  # the pointer to the last run
     files: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
@@ -222,8 +226,9 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
              warmup_max_steps: int = 300, learning_rate: float = 5e-4, num_generations: int = 8,
              prompts_per_step: int = 16, max_completion_length: int = 6, disable_tqdm: bool = False,
              dpo_loss: tuple[str, ...] = ("sigmoid", "sft")) -> DemoResult:
-    """Warm up, measure held-out greedy accuracy, train with GRPO, measure again; write
-    `metrics.jsonl`, `reward.png` and `summary.json` into `output_dir`.
+    """Warm up, measure held-out greedy accuracy, train with `algo`, measure again; write
+    `metrics.jsonl`, `reward.png`, `summary.json` and the trained model (`model/`) into a new folder
+    `<output_dir>/<algo>/<time>-seed<seed>`, and point `<output_dir>/latest` at it.
 
     The defaults are the calibrated recipe for the built-in task (0.33M-parameter Llama, reverse
     5 letters): `max_steps` GRPO steps of `prompts_per_step` x `num_generations` completions at a
@@ -243,7 +248,8 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
 
     pref_before = None
     t_start = time.monotonic()
-    os.makedirs(output_dir, exist_ok=True)
+    root, output_dir = output_dir, new_run_dir(output_dir, algo, seed)
+    logger.info("this run writes to %s", output_dir)
     set_seed(seed)
     train_p, train_a, test_p, test_a = _load_data(dataset_name, seed)
 
@@ -270,7 +276,7 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
 
     train_ds = Dataset.from_dict({"prompt": train_p, "answer": train_a})
     common = dict(
-        output_dir=os.path.join(output_dir, "trainer"), max_prompt_length=None, temperature=1.0,
+        output_dir=os.path.join(output_dir, MODEL_DIR), max_prompt_length=None, temperature=1.0,
         learning_rate=learning_rate, lr_scheduler_type="constant", warmup_steps=0, gradient_checkpointing=False,
         use_cpu=True, report_to=[], logging_steps=1, max_steps=max_steps, save_strategy="no", seed=seed,
         disable_tqdm=disable_tqdm, dataloader_num_workers=0,
@@ -315,6 +321,7 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
     rl_secs = time.monotonic() - t_rl
 
     model = trainer.model
+    model_dir = save_trained_model(trainer, os.path.join(output_dir, MODEL_DIR))
     acc_after = greedy_accuracy(model, tokenizer, test_p, test_a, max_new_tokens=max_completion_length)
     logger.info("held-out greedy accuracy after RL: %.3f", acc_after)
     extra = {}
@@ -331,10 +338,12 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
     _plot_rewards(history, plot_path, REWARD_KEY[algo], algo.upper())
     summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "warmup_steps": warm_steps,
                "warmup_train_accuracy": warm_acc, "rl_steps": trainer.state.global_step, "rl_seconds": rl_secs,
-               "algo": algo, **extra}
-    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+               "algo": algo, "seed": seed, "model_dir": model_dir, **extra}
+    summary_path = os.path.join(output_dir, "summary.json")
+    with open(summary_path, "w") as f:
         json.dump(summary, f, indent=2)
     return DemoResult(accuracy_before=acc_before, accuracy_after=acc_after, warmup_steps=warm_steps,
                       warmup_train_accuracy=warm_acc, rl_steps=trainer.state.global_step, rl_seconds=rl_secs,
-                      wall_seconds=time.monotonic() - t_start, output_dir=output_dir,
-                      files=[metrics_path, plot_path], extra=extra)
+                      wall_seconds=time.monotonic() - t_start, output_dir=output_dir, model_dir=model_dir,
+                      latest=point_latest(root, output_dir), files=[metrics_path, plot_path, summary_path],
+                      extra=extra)
