@@ -1,6 +1,7 @@
 """Per-role placement in the facade: declarations checked at construction, `placement()` one line per role."""
 
 import pytest
+import torch
 
 from tests.conftest import build_char_tokenizer
 from tests.test_facade import count_a, tiny_llama
@@ -72,3 +73,70 @@ def test_a_generator_url_and_an_engine_together_are_refused():
     with pytest.raises(ValueError, match="placement\\['generator'\\] is a URL but a rollout engine was given"):
         _trainer(placement={"generator": "http://127.0.0.1:9"},
                  rollout_engine=TransformersEngine(tiny_llama(tok), tok))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-role backends on 2 real gloo processes: the same run as one process
+PLACEMENTS = {"critic-fsdp2-reference-fsdp2": {"critic": "fsdp2", "reference": "fsdp2"},
+              "critic-fsdp2-reference-zero3": {"critic": "fsdp2", "reference": "zero3"}}
+ROLE_BACKENDS = {"fsdp2": ("fsdp2", "DTensor", False), "zero3": ("deepspeed ZeRO-3", "Parameter", True)}
+
+
+@pytest.fixture(scope="module")
+def placement_baseline(tmp_path_factory):
+    import subprocess
+    import sys
+
+    from tests.test_parallel_backends import ROOT, _env
+
+    out = tmp_path_factory.mktemp("placement-single")
+    proc = subprocess.run([sys.executable, "-m", "tests.distributed.placement_parity", "{}", str(out)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_roles_on_their_own_backends_over_two_processes_equal_one_process(placement_baseline, tmp_path, name):
+    """A DDP launch of 2 gloo processes; the critic (and the reference) on FSDP2 / ZeRO-3 layouts of their own over
+    the same processes: the step losses, the reference's log-probs and the final actor and critic weights equal
+    the one-process run of the same global batch (tolerances of tests/test_parallel_backends.py)."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.test_parallel_backends import ROOT, _env, _failure, _free_port
+
+    placement = PLACEMENTS[name]
+    if "zero3" in placement.values():
+        pytest.importorskip("deepspeed")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(_free_port()),
+           "-m", "tests.distributed.placement_parity", json.dumps(placement), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, _failure(proc)
+    want = json.loads((placement_baseline / "result.json").read_text())
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["world"] == 2
+    assert got["roles"]["actor"] == {"backend": "ddp", "param_type": "Parameter", "zero3_partitioned": False}
+    for role, backend in placement.items():
+        label, param_type, partitioned = ROLE_BACKENDS[backend]
+        assert got["roles"][role] == {"backend": label, "param_type": param_type, "zero3_partitioned": partitioned}
+        line = next(line for line in got["placement"] if line.startswith(f"{role}: "))
+        assert line.startswith(f"{role}: backend={label} where=ranks 0-1 (own layout) layout=dp_shard=2 ")
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
+    assert got["values"] == pytest.approx(want["values"], rel=1e-5, abs=1e-6)
+    mask = torch.tensor(want["ref_mask"]).bool()
+    assert torch.equal(torch.tensor(got["ref_mask"]).bool(), mask)
+    torch.testing.assert_close(torch.tensor(got["ref_logprobs"])[mask], torch.tensor(want["ref_logprobs"])[mask],
+                               rtol=1e-5, atol=1e-5)
+    for sub in ("", "critic"):
+        a = load_file(str(placement_baseline / "final" / sub / "model.safetensors"))
+        b = load_file(str(tmp_path / "final" / sub / "model.safetensors"))
+        assert set(a) == set(b)
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst < 2e-5, (sub or "actor", worst)
