@@ -53,7 +53,7 @@ def test_a_reference_on_its_own_layout_is_reported_so():
     ({"critic": "fsdp2"}, r"placement\['critic'\] = 'fsdp2' but no critic model was given: pass critic_model="),
     ({"reference": "fsdp2", "_ref": True}, r"shards over processes but this launch has one: launch 2 or more"),
     ({"reference": "megatron", "_ref": True}, r"set config backend='megatron'"),
-    ({"reference": "tp4", "_ref": True}, r"choose 'colocated' or one of"),
+    ({"reference": "tp4", "_ref": True}, r"choose 'colocated' or a server URL \(http://host:port/v1\) or one of"),
     ({"generator": "localhost:8000"}, r"use 'colocated' or the URL of a /v1/completions server"),
     ({"actor": "ddp"}, r"the actor runs on the launch's layout"),
     ({"reward": "http://x"}, r"a reward model is placed by what reward_model= is"),

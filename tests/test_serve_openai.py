@@ -264,7 +264,8 @@ def test_a_tokenizer_without_a_chat_template_is_a_clear_400():
     ({"prompt": [10_000]}, "prompt token ids must be below the vocabulary size"),
     ({"prompt": ""}, "'prompt'"),
     ({"stop": [""]}, "'stop'"),
-    ({"echo": True}, "echo is not supported"),
+    ({"echo": True, "stream": True}, "echo and prompt_logprobs are not supported with stream=true"),
+    ({"max_tokens": 0}, "max_tokens=0 generates nothing: it is allowed only with echo=true"),
     ({"presence_penalty": 0.5}, "presence_penalty is not supported"),
 ])
 def test_malformed_completions_are_400_naming_the_field(served, fields, message):

@@ -4,7 +4,10 @@
 
 - `"reference"`: `"colocated"` (default: the launch's layout, beside the actor) or a backend name (`"ddp"`,
   `"fsdp2"`, `"zero1"`, `"zero2"`, `"zero3"`): its own layout over the launch's processes (on one process
-  `"ddp"` is the plain layout; Megatron is chosen for the whole launch, with `backend="megatron"`);
+  `"ddp"` is the plain layout; Megatron is chosen for the whole launch, with `backend="megatron"`); or the URL of
+  a server that serves it (`hf-verl serve`, `vllm serve`), read through `/v1/completions` prompt log-probs
+  (:class:`~hf_verl.rollout.remote_reference.RemoteReference`; then no `reference_model=`, and
+  `reference_tokenizer=` when the served model has another tokenizer than the actor's);
 - `"critic"`: the same choices (e.g. an FSDP2 critic beside a DDP actor);
 - `"generator"`: `"colocated"` (default: a `TransformersEngine` on the actor's weights) or the URL of any
   `/v1/completions` server (`hf-verl serve`, `vllm serve`): a :class:`~hf_verl.rollout.remote.RemoteEngine`;
@@ -59,6 +62,11 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool,
             if choice != COLOCATED and not is_url(choice):
                 raise ValueError(f"placement['generator'] = {choice!r}: use 'colocated' or the URL of a "
                                  "/v1/completions server, e.g. 'http://127.0.0.1:8000'.")
+        elif role == "reference" and is_url(choice):
+            if has_reference:
+                raise ValueError(f"placement['reference'] = {choice!r} is a server, so the reference is the model it "
+                                 "serves: drop reference_model= (pass reference_tokenizer= if that model's tokenizer "
+                                 "is not the actor's).")
         else:
             given = has_reference if role == "reference" else has_critic
             if not given:
@@ -66,7 +74,8 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool,
                                  f"{role}_model=, or drop {role!r} from placement.")
             if choice != COLOCATED:
                 if choice not in BACKENDS and choice != "megatron":
-                    raise ValueError(f"placement[{role!r}] = {choice!r}: choose 'colocated' or one of "
+                    url = " or a server URL (http://host:port/v1)" if role == "reference" else ""
+                    raise ValueError(f"placement[{role!r}] = {choice!r}: choose 'colocated'{url} or one of "
                                      f"{sorted(BACKENDS) + ['megatron']}.")
                 if choice == "megatron":
                     hint = "" if "megatron" in engines else " (it needs megatron-core: pip install 'hf_verl[megatron]')"

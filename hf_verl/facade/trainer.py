@@ -99,7 +99,8 @@ class Trainer:
             actor's (vocabulary or special tokens), the reference scores the decoded text re-tokenised with it and
             its log-probs are aligned to the actor's tokens by character offsets (docs/placement.md).
         placement (`dict`, *optional*): where roles run, `{"reference" | "critic": "colocated" | "ddp" | "fsdp2" |
-            "zero1" | "zero2" | "zero3", "generator": "colocated" | "<URL of a /v1/completions server>"}`
+            "zero1" | "zero2" | "zero3", "generator": "colocated" | "<URL of a /v1/completions server>"}`; the
+            reference may also be the URL of a server that serves it (no `reference_model=` then)
             (every role colocated by default; :mod:`hf_verl.facade.placement`). `placement()` reports it.
         tools (`list[Callable]`, *optional*): functions (type hints, Google-style docstring) the actor
             may call while generating, as with `GRPOTrainer(tools=...)`: rollouts become multi-turn
@@ -142,6 +143,11 @@ class Trainer:
         self.critic = None if critic_model is None else LazyModel("critic", critic_model, "value", **place)
         self.reference = None if reference_model is None else LazyModel("reference", reference_model, "causal_lm",
                                                                         **place)
+        self._remote_reference = None  # a reference served behind a URL (placement["reference"])
+        if is_url(self._placement["reference"]):
+            from hf_verl.rollout.remote_reference import RemoteReference
+
+            self._remote_reference = RemoteReference(self._placement["reference"])
         for role in self._model_roles():
             role.on_load.append(lambda _role: self._check_vocab())
         self._reference_tokenizer = reference_tokenizer
@@ -219,7 +225,8 @@ class Trainer:
         once, from the tokenizers: :func:`~hf_verl.pipeline.cross_tokenizer.same_tokenizer`)."""
         if self._cross is False:
             self._cross = None
-            if self.reference is not None and self._reference_tokenizer_known():
+            if (self.reference is not None or self._remote_reference is not None) and \
+                    self._reference_tokenizer_known():
                 if self._reference_tokenizer is None:
                     from transformers import AutoTokenizer
 
@@ -228,7 +235,7 @@ class Trainer:
                     self._cross = CrossTokenizer(self.tokenizer, self._reference_tokenizer, role="reference")
                     logger.info("the reference (%s) has another tokenizer than the actor: it scores the decoded text "
                                 "re-tokenised with its own, aligned to the actor's tokens by character offsets",
-                                self.reference.name)
+                                self._remote_reference.url if self.reference is None else self.reference.name)
         return self._cross
 
     def placement(self) -> list[str]:
@@ -243,6 +250,10 @@ class Trainer:
         ranks = f"ranks 0-{layout.dims.world_size - 1}" if layout.dims.world_size > 1 else "rank 0"
         lines = []
         for name in ("actor", "reference", "critic"):
+            if name == "reference" and self._remote_reference is not None:
+                layout_ = "remote (cross-tokenizer)" if self._reference_cross() else "remote"
+                lines.append(placement_line(name, "server", self._remote_reference.url, layout_, "n/a (remote)"))
+                continue
             engine = self._role_engine(name)
             if engine is None:
                 continue
@@ -613,7 +624,7 @@ class Trainer:
             return None
         kw = {"temperature": cfg.temperature if cfg.temperature > 0 else 1.0, "chunk_size": cfg.logprob_chunk_size,
               "micro_batch": out.batch_size}
-        reference = self._role_engine("reference")
+        reference = self._remote_reference or self._role_engine("reference")
         if reference is None:
             return phases.reference_logprobs(None, self.actor_engine, out, **kw)
         moved = self._into("reference", reference, out)

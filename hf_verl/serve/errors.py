@@ -48,6 +48,8 @@ def describe_validation_error(errors: list[dict]) -> tuple[str, str | None]:
     kind = first.get("type", "")
     if kind == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if field is None and kind == "value_error":  # a check across fields: its message names them
+        return str(first.get("msg", "invalid request")).removeprefix("Value error, "), None
     if field is None or kind in ("model_attributes_type", "dict_type"):
         return "the body must be a JSON object", None
     if kind == "missing":

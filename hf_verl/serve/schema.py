@@ -1,7 +1,7 @@
 """Request models of the rollout server (pydantic): OpenAI's completions and chat completions, as vLLM takes them.
 
-Fields hf_verl cannot honour are refused by name (`echo`, `suffix`, `logit_bias`, penalties other than the
-repetition penalty, `tools`, non-text content), rather than silently ignored; unknown fields are ignored, as
+Fields hf_verl cannot honour are refused by name (`suffix`, `logit_bias`, penalties other than the repetition
+penalty, `tools`, non-text content, `echo` / `prompt_logprobs` with `stream`), rather than silently ignored; unknown fields are ignored, as
 vLLM does (clients send extras such as vLLM's `return_token_ids`). The caps on `n`, `max_tokens` and prompts
 per request are the server's, checked by the server. These models also make the OpenAPI page (`/docs`).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from hf_verl.rollout.base import SamplingParams
 
@@ -71,7 +71,7 @@ class SamplingRequest(BaseModel):
             raise ValueError("stop must be up to 16 non-empty strings")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix", check_fields=False)
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "suffix", check_fields=False)
     @classmethod
     def _unsupported(cls, value, info):
         if value:
@@ -100,10 +100,14 @@ class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`."""
 
     prompt: Prompt = Field(description="Text, token ids, or a list of either (one choice group per prompt).")
-    max_tokens: int | None = Field(16, ge=1, description="New tokens per choice (16), at most the server's cap.")
+    max_tokens: int | None = Field(16, ge=0, description="New tokens per choice (16), at most the server's cap; 0 "
+                                                         "(with `echo`) only scores the prompt.")
     logprobs: int | None = Field(None, ge=0, le=20, description="Accepted; every choice carries its sampled "
                                                                "tokens' log-probs (no alternatives).")
-    echo: bool = Field(False, description="Not supported.")
+    echo: bool = Field(False, description="Put the prompt before the completion in `text` and its tokens' log-probs "
+                                          "(the first one null) before the sampled ones in `logprobs`.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's: each choice gets `prompt_logprobs`, "
+                                        "per prompt token its log-prob and rank and the K most likely tokens'.")
     suffix: str | None = Field(None, description="Not supported.")
     best_of: int | None = Field(None, description="Not supported beyond `n`.")
 
@@ -113,6 +117,20 @@ class CompletionRequest(SamplingRequest):
         if value is not None and value != info.data.get("n", 1):
             raise ValueError("best_of other than n is not supported by hf-verl serve")
         return value
+
+    @model_validator(mode="after")
+    def _scoring(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: it is allowed only with echo=true (score the prompt)")
+        if self.stream and self.scores_prompt:
+            raise ValueError("echo and prompt_logprobs are not supported with stream=true by hf-verl serve; send "
+                             "the request without stream")
+        return self
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's log-probs are asked for (`echo` or `prompt_logprobs`)."""
+        return self.echo or self.prompt_logprobs is not None
 
     @property
     def prompts(self) -> list[str | list[int]]:

@@ -7,6 +7,8 @@ Routes (FastAPI on uvicorn; the OpenAPI page is `/docs`, its schema `/openapi.js
   `prompt` as text, token ids, or a list of either; `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`,
   `repetition_penalty`, `stop`, `n`, `seed`, `logprobs`, `stream`, `stream_options`); every choice carries
   `token_ids` and its sampled-token log-probs, and the response the `weight_version` it was generated with;
+  `echo` (with `max_tokens: 0`: score only) and vLLM's `prompt_logprobs` add the prompt's log-probs
+  (:mod:`hf_verl.serve.prompt_logprobs`);
 - `POST /v1/chat/completions`: the same over `messages`, rendered by the tokenizer's chat template (400 when
   it has none);
 - `POST /v1/weights` (bearer token required): one bucket of HF-named tensors as a safetensors body
@@ -32,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from hf_verl.rollout.base import RolloutEngine, SamplingParams
 from hf_verl.serve.auth import TOKEN_ENV, is_loopback, read_token  # noqa: F401 (the public names of this module)
@@ -171,10 +175,41 @@ class RolloutServer:
     def completions(self, body: CompletionRequest | dict) -> dict:
         """Answer a completions request (not streamed) as OpenAI's JSON; blocks until generated."""
         req = _validated(CompletionRequest, body)
+        if req.scores_prompt:
+            return self.scored_completions(req)
         prompts, sampling = self.prepare(req, self.prompt_ids(req.prompts), req.max_tokens or 16)
         out = self.batcher.generate(prompts, sampling)
         return Answer(False, self.model_name, self.tokenizer).response(
             list(zip(out.completion_ids, out.logprobs, out.finish_reasons)), prompts, out.weight_version)
+
+    def scored_completions(self, req: CompletionRequest) -> dict:
+        """A completions request with `echo` or `prompt_logprobs`: the prompts scored by the model (and, unless
+        `max_tokens` is 0, completed), answered as vLLM does (:mod:`hf_verl.serve.prompt_logprobs`). The scores and
+        the completions are of one weight version: a weight update between the two is followed by a re-score."""
+        from hf_verl.serve.prompt_logprobs import add_prompt_scores, score_prompts
+
+        model = getattr(self.engine, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise ServeError(400, f"echo and prompt_logprobs need the model's forward pass, which this server's "
+                                  f"{type(self.engine).__name__} does not expose: serve with --engine transformers "
+                                  "(or use vLLM's own server, `vllm serve`)", "echo")
+        ids = self.prompt_ids(req.prompts)
+        rows, sampling = self.prepare(req, ids, max(1, 16 if req.max_tokens is None else req.max_tokens))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        for _ in range(3):
+            with self.lock:
+                version = self.engine.weight_version
+                scores, alternatives = score_prompts(model, ids, temperature=req.temperature, pad_token_id=pad,
+                                                     top=req.prompt_logprobs)
+            if req.max_tokens == 0:
+                out = [([], [], "length") for _ in rows]
+                break
+            generated = self.batcher.generate(rows, sampling)
+            out = list(zip(generated.completion_ids, generated.logprobs, generated.finish_reasons))
+            if generated.weight_version == version:
+                break
+        answer = Answer(False, self.model_name, self.tokenizer).response(out, rows, version)
+        return add_prompt_scores(answer, req, ids, scores, alternatives, self.tokenizer)
 
     def chat_completions(self, body: ChatCompletionRequest | dict) -> dict:
         """Answer a chat completions request (not streamed) as OpenAI's JSON; blocks until generated."""
