@@ -83,3 +83,16 @@ def test_refused_fields_say_why(tmp_path, cls, name):
     value, reason = REFUSED[cls][name]
     with pytest.raises(ValueError, match=reason):
         cls(output_dir=str(tmp_path), **{name: value})
+
+
+@pytest.mark.parametrize("name", ["GRPOConfig", "PPOConfig", "DPOConfig"])
+def test_output_dir_is_the_first_positional_field(name):
+    """TRL's trainers (and users) build `XConfig("<model>-XX")`: output_dir must stay the first field, ahead of any
+    field a mixin adds (a mixin placed before TrainingArguments' fields once took the name as `backend`)."""
+    import dataclasses
+
+    import hf_verl
+
+    cls = getattr(hf_verl, name)
+    assert dataclasses.fields(cls)[0].name == "output_dir"
+    assert cls("some-model-XX").output_dir == "some-model-XX"

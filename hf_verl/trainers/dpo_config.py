@@ -32,7 +32,7 @@ def _help(text: str) -> Any:
 
 
 @dataclass
-class DPOConfig(TrainingArguments, ModelParallelArguments, ParallelArguments):
+class DPOConfig(ModelParallelArguments, ParallelArguments, TrainingArguments):
     """Configuration of :class:`~hf_verl.DPOTrainer` (a `transformers.TrainingArguments`); see the module docstring."""
 
     learning_rate: float = field(default=1e-6, metadata=_help("AdamW learning rate (TRL's default)."))
