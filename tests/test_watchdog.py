@@ -153,7 +153,7 @@ def test_watchdog_thread_reports_and_exits(tmp_path):
 
 
 # ---------------------------------------------------------------------- 2 gloo processes
-TIMEOUT_S = 10
+TIMEOUT_S = 20
 MARGIN_S = 40  # log flushing, acknowledgements and the launcher's teardown on a loaded 2-core machine
 
 
@@ -207,3 +207,23 @@ def test_a_run_that_returns_exits_cleanly(tmp_path):
     proc, _ = _launch(tmp_path, "return", 29644)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "hf_verl watchdog" not in proc.stderr
+
+
+def _launch_facade(mode: str, port: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           "-m", "tests.distributed.watchdog_facade", mode, "30"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_facade_exits_cleanly_and_names_a_failed_rank():
+    proc = _launch_facade("return", 29645)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = _launch_facade("raise", 29646)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    stops = [x for x in out.splitlines() if "rank 0 stops: rank 1 failed in [step 2, reward.score" in x]
+    assert stops and stops[0].endswith("with ValueError: facade reward exploded on rank 1"), out[-3000:]

@@ -429,6 +429,10 @@ def _at_exit() -> None:
                 wd.store.set("acked", "1")
         wd.stop()
         return
+    if isinstance(err, KeyboardInterrupt):  # every rank was interrupted (or one was, by hand): no barrier to wait at
+        if wd is not None:
+            wd.stop()
+        return
     with contextlib.suppress(Exception):
         leave_together()
 
