@@ -239,3 +239,29 @@ def test_endpoint_and_construction_checks():
                 placement={"reference": "http://h:1/v1"})
     with pytest.raises(TypeError, match="only scores tokens"):
         RemoteReference("http://h:1").infer(None, LogProbs(with_entropy=True))
+
+
+# ---------------------------------------------------------------------- vLLM's own server behind the URL
+@pytest.mark.slow
+@pytest.mark.optional_backend
+def test_a_vllm_server_serves_the_reference(tmp_path):
+    """A real `vllm serve` (OpenAI server) answers the client's echo request: the reference's log-probs equal the
+    local model's (vLLM's float32 CPU kernels: 1e-3, as tests/test_vllm_engine.py compares them); at another
+    temperature it says nothing of one, so the client refuses rather than read raw log-probs."""
+    import sys
+
+    from tests.test_vllm_engine import _server_process
+
+    def argv(model_dir, port):
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+                "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
+                "--gpu-memory-utilization", "0.25"]
+
+    with _server_process(tmp_path, argv, {}) as (tok, model, url):
+        remote = RemoteReference(f"{url}/v1", max_retries=40, backoff_s=1.0, timeout_s=120)
+        sequences = [tok(text)["input_ids"] for text in ("hello world", "abc=cba", "xy")]
+        scores = remote.score(sequences)
+        for ids, got in zip(sequences, scores):
+            torch.testing.assert_close(torch.tensor(got), _local_logprobs(model, ids), rtol=0, atol=1e-3)
+        with pytest.raises(ReferenceServerError, match="at temperature 1.0 but the run scores at 0.5"):
+            remote.score(sequences[:1], temperature=0.5)
