@@ -140,3 +140,72 @@ def test_roles_on_their_own_backends_over_two_processes_equal_one_process(placem
         assert set(a) == set(b)
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         assert worst < 2e-5, (sub or "actor", worst)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the TRL-style trainers: a reward model behind a URL is a `reward_funcs` / `reward_model` string
+@pytest.fixture(scope="module")
+def reward_server():
+    from hf_verl.serve.classify import ClassifyServer
+    from tests.test_reward_server import _reward_model
+
+    tok = build_char_tokenizer()
+    model = _reward_model(tok, seed=3)
+    server = ClassifyServer(model, tok, "tiny-rm", port=0, batch_size=4).start()
+    yield server, tok, model
+    server.shutdown()
+
+
+def _logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+@pytest.mark.slow
+def test_grpo_reward_funcs_take_a_reward_server_url_equal_to_the_local_reward_model(reward_server, tmp_path):
+    """`GRPOTrainer(reward_funcs=[count_a, "http://127.0.0.1:PORT"])` scores through the real `/classify` server:
+    the same run as with the reward model object itself (rewards and losses to 1e-5)."""
+    from datasets import Dataset
+
+    from hf_verl import GRPOTrainer
+    from hf_verl.rewards.remote import RemoteRewardModel
+    from tests.test_grpo_trainer import _args, _model
+    from tests.test_grpo_trainer import count_a as grpo_count_a
+
+    server, tok, model = reward_server
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab"] * 2})
+    runs = {}
+    for name, source in (("local", model), ("url", server.address)):
+        trainer = GRPOTrainer(model=_model(tok), reward_funcs=[grpo_count_a, source], train_dataset=ds,
+                              processing_class=tok, reward_processing_classes=[None, tok],
+                              args=_args(tmp_path / name, max_steps=2, seed=5))
+        if name == "url":
+            assert isinstance(trainer.reward_funcs[1], RemoteRewardModel)
+            assert trainer.reward_funcs[1].url == f"{server.address}/classify"
+        trainer.train()
+        runs[name] = trainer
+    assert len(_logged(runs["url"], "reward")) == 2
+    for key in ("reward", "loss"):
+        assert _logged(runs["url"], key) == pytest.approx(_logged(runs["local"], key), abs=1e-5), key
+    netloc = server.address.removeprefix("http://")
+    assert _logged(runs["url"], f"rewards/{netloc}/mean")
+
+
+@pytest.mark.slow
+def test_ppo_reward_model_takes_a_reward_server_url_equal_to_the_local_reward_model(reward_server, tmp_path):
+    from datasets import Dataset
+
+    from hf_verl import PPOTrainer
+    from tests.test_ppo_trainer import _args, _critic, _policy
+
+    server, tok, model = reward_server
+    ds = Dataset.from_dict({"prompt": ["abc", "xyz", "hello", "ab"] * 2})
+    runs = {}
+    for name, source in (("local", model), ("url", server.address)):
+        trainer = PPOTrainer(args=_args(tmp_path / name, max_steps=2, seed=5), processing_class=tok,
+                             model=_policy(tok), reward_model=source, value_model=_critic(tok), train_dataset=ds,
+                             reward_processing_classes=[tok])
+        trainer.train()
+        runs[name] = trainer
+    assert len(_logged(runs["url"], "loss")) == 2
+    for key in ("reward", "loss", "loss/value_avg"):
+        assert _logged(runs["url"], key) == pytest.approx(_logged(runs["local"], key), abs=1e-5), key
