@@ -12,12 +12,14 @@ vLLM's completions request scores a prompt two ways, and this server takes both:
   likely tokens (`rank` 1 is the most likely).
 
 Log-probs follow the server's convention (:mod:`hf_verl.rollout.base`): `log_softmax(logits / temperature)` with
-the request's `temperature` (0 or 1: the raw distribution). vLLM's own server reports prompt log-probs of the raw
-distribution whatever the temperature; a client that needs a temperature other than 1 can tell the servers apart
-by `prompt_logprobs_temperature`, which this server adds to each choice that carries prompt log-probs.
+the request's `temperature` (0 or 1: the raw distribution), computed as the training engines compute them.
+vLLM's own server reports prompt log-probs of the raw distribution whatever the temperature; a client that needs
+a temperature other than 1 can tell the servers apart by `prompt_logprobs_temperature`, which this server adds to
+each choice that carries prompt log-probs.
 
 Scoring needs the model's forward pass, so it is answered by a server whose engine holds a transformers model
-(`--engine transformers`, the default); prompts are scored `rows` at a time, right-padded, in float32 log-softmax.
+(`--engine transformers`, the default); prompts are scored `rows` at a time, right-padded, the LM head a chunk
+of positions at a time in float32.
 """
 
 from __future__ import annotations
@@ -29,8 +31,13 @@ PromptScores = list[list[float]]
 
 @torch.no_grad()
 def score_prompts(model: torch.nn.Module, prompts: list[list[int]], *, temperature: float, pad_token_id: int,
-                  top: int | None = None, rows: int = 16) -> tuple[PromptScores, list[list[dict[int, tuple[float, int]]]]]:
+                  top: int | None = None, rows: int = 16,
+                  chunk_size: int = 1024) -> tuple[PromptScores, list[list[dict[int, tuple[float, int]]]]]:
     """The log-prob of every prompt token after the first, under `model`.
+
+    The LM head runs on the final hidden states `chunk_size` positions at a time
+    (:func:`~hf_verl.algorithms.logprobs.logprobs_from_head`, as the training engines score), so a long prompt
+    over a large vocabulary never holds all its logits at once.
 
     Args:
         model (`torch.nn.Module`): a causal LM (its logits at position `t` predict token `t + 1`).
@@ -40,14 +47,18 @@ def score_prompts(model: torch.nn.Module, prompts: list[list[int]], *, temperatu
         top (`int`, *optional*): also return, per position, the prompt token's entry (log-prob and rank) and the
             `top` most likely tokens' (0: the prompt token's only); None: no entries.
         rows (`int`, defaults to 16): prompts per forward pass.
+        chunk_size (`int`, defaults to 1024): positions per LM-head call.
 
     Returns:
         `(scores, alternatives)`: `scores[i][t]` is the log-prob of `prompts[i][t + 1]` (so `len(prompts[i]) - 1`
         values); `alternatives[i][t]` maps token ids to `(log-prob, rank)` for the prompt token and the `top`
         most likely ones (empty dicts when `top` is None).
     """
+    from hf_verl.algorithms.logprobs import logprobs_from_head
+
     scale = temperature if temperature > 0 else 1.0
     device = next(model.parameters()).device
+    head = model.get_output_embeddings()
     scores: PromptScores = []
     alternatives: list[list[dict[int, tuple[float, int]]]] = []
     for start in range(0, len(prompts), max(1, rows)):
@@ -58,25 +69,35 @@ def score_prompts(model: torch.nn.Module, prompts: list[list[int]], *, temperatu
         for row, prompt in enumerate(chunk):
             ids[row, : len(prompt)] = torch.tensor(prompt)
             mask[row, : len(prompt)] = 1
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, :-1].float()
-        logp = torch.log_softmax(logits / scale, dim=-1).cpu()
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
+                    use_cache=False, logits_to_keep=1)
+        hidden = out.hidden_states[-1]
+        del out
         for row, prompt in enumerate(chunk):
             n = len(prompt) - 1
-            target = torch.tensor(prompt[1:], dtype=torch.long)
-            own = logp[row, :n].gather(-1, target.unsqueeze(-1)).squeeze(-1)
-            scores.append(own.tolist())
-            if top is None:
-                alternatives.append([{} for _ in range(n)])
-                continue
-            ranks = (logp[row, :n] > own.unsqueeze(-1)).sum(-1) + 1
-            best, best_ids = logp[row, :n].topk(min(top, logp.shape[-1]), dim=-1)  # top=0: empty
-            per_position = []
-            for t in range(n):
-                entry = {int(i): (float(v), r + 1) for r, (v, i) in enumerate(zip(best[t], best_ids[t]))}
-                entry[int(target[t])] = (float(own[t]), int(ranks[t]))
-                per_position.append(entry)
-            alternatives.append(per_position)
+            target = torch.tensor(prompt[1:], dtype=torch.long, device=device)
+            own = logprobs_from_head(hidden[row, :n], head, target, temperature=scale, chunk_size=chunk_size)[0]
+            scores.append(own.float().cpu().tolist())
+            alternatives.append([{} for _ in range(n)] if top is None else
+                                _alternatives(hidden[row, :n], head, target, own, scale, top, chunk_size))
     return scores, alternatives
+
+
+def _alternatives(hidden: torch.Tensor, head, target: torch.Tensor, own: torch.Tensor, scale: float, top: int,
+                  chunk_size: int) -> list[dict[int, tuple[float, int]]]:
+    """Per position: `{token id: (log-prob, rank)}` for the prompt token and the `top` most likely tokens."""
+    out = []
+    for s in range(0, target.numel(), max(1, chunk_size)):
+        logp = torch.log_softmax(head(hidden[s : s + chunk_size]).float() / scale, dim=-1)
+        mine = own[s : s + chunk_size].float()
+        # ranks against the same rounding as the others' log-probs (the token never outranks itself)
+        ranks = (logp > logp.gather(-1, target[s : s + chunk_size].unsqueeze(-1))).sum(-1) + 1
+        best, best_ids = logp.topk(min(top, logp.shape[-1]), dim=-1)  # top=0: none
+        for t in range(logp.shape[0]):
+            entry = {int(i): (float(v), r + 1) for r, (v, i) in enumerate(zip(best[t], best_ids[t]))}
+            entry[int(target[s + t])] = (float(mine[t]), int(ranks[t]))
+            out.append(entry)
+    return out
 
 
 def prompt_logprobs_field(alternatives: list[dict[int, tuple[float, int]]], tokenizer) -> list[dict | None]:
