@@ -58,6 +58,8 @@ def test_a_reference_on_its_own_layout_is_reported_so():
     ({"actor": "ddp"}, r"the actor runs on the launch's layout"),
     ({"reward": "http://x"}, r"a reward model is placed by what reward_model= is"),
     ({"value": "ddp"}, r"unknown role 'value'"),
+    ({"reference": "http://127.0.0.1:9/v1", "generator": "http://127.0.0.1:9"},
+     r"is the generator's server, which takes the actor's weights after every step"),
 ])
 def test_a_role_that_cannot_run_where_declared_fails_at_construction(placement, message):
     tok = build_char_tokenizer()

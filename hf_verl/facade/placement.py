@@ -93,7 +93,19 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool,
                         raise ValueError(f"placement[{role!r}] = {choice!r} needs deepspeed: pip install deepspeed, "
                                          "or use 'fsdp2'.")
         out[role] = choice
+    if is_url(out["reference"]) and is_url(out["generator"]) and _server(out["reference"]) == _server(out["generator"]):
+        raise ValueError(f"placement['reference'] = {out['reference']!r} is the generator's server, which takes the "
+                         "actor's weights after every step, so it cannot serve the frozen reference: serve the "
+                         "reference on its own port (hf-verl serve <reference model> --port ...).")
     return out
+
+
+def _server(url: str) -> str:
+    """`scheme://host:port` of a URL (a server is the same whatever route or trailing `/v1` is named)."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()
 
 
 def memory_estimate(model: Any, layout: Any) -> str:
