@@ -79,9 +79,14 @@ def test_a_generator_url_and_an_engine_together_are_refused():
 
 # ---------------------------------------------------------------------------------------------------------------
 # per-role backends on 2 real gloo processes: the same run as one process
-PLACEMENTS = {"critic-fsdp2-reference-fsdp2": {"critic": "fsdp2", "reference": "fsdp2"},
-              "critic-fsdp2-reference-zero3": {"critic": "fsdp2", "reference": "zero3"}}
-ROLE_BACKENDS = {"fsdp2": ("fsdp2", "DTensor", False), "zero3": ("deepspeed ZeRO-3", "Parameter", True)}
+# name: (the launch's accelerate config = the actor's backend, the other roles' placement)
+PLACEMENTS = {"ddp-actor-fsdp2-critic-fsdp2-reference": ("ddp", {"critic": "fsdp2", "reference": "fsdp2"}),
+              "ddp-actor-fsdp2-critic-zero3-reference": ("ddp", {"critic": "fsdp2", "reference": "zero3"}),
+              "fsdp2-actor-zero2-critic-ddp-reference": ("fsdp2", {"critic": "zero2", "reference": "ddp"})}
+# backend: (engine label, parameter type, ZeRO-3 partitioned, data-parallel axis)
+ROLE_BACKENDS = {"ddp": ("ddp", "Parameter", False, "dp_replicate"), "fsdp2": ("fsdp2", "DTensor", False, "dp_shard"),
+                 "zero2": ("deepspeed ZeRO-2", "Parameter", False, "dp_shard"),
+                 "zero3": ("deepspeed ZeRO-3", "Parameter", True, "dp_shard")}
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +107,9 @@ def placement_baseline(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(PLACEMENTS))
 def test_roles_on_their_own_backends_over_two_processes_equal_one_process(placement_baseline, tmp_path, name):
-    """A DDP launch of 2 gloo processes; the critic (and the reference) on FSDP2 / ZeRO-3 layouts of their own over
-    the same processes: the step losses, the reference's log-probs and the final actor and critic weights equal
-    the one-process run of the same global batch (tolerances of tests/test_parallel_backends.py)."""
+    """A launch of 2 gloo processes (the actor on its backend); the critic and the reference on layouts of their own
+    over the same processes: the step losses, the reference's log-probs and the final actor and critic weights
+    equal the one-process run of the same global batch (tolerances of tests/test_parallel_backends.py)."""
     import json
     import subprocess
     import sys
@@ -113,23 +118,23 @@ def test_roles_on_their_own_backends_over_two_processes_equal_one_process(placem
 
     from tests.test_parallel_backends import ROOT, _env, _failure, _free_port
 
-    placement = PLACEMENTS[name]
-    if "zero3" in placement.values():
+    launch, placement = PLACEMENTS[name]
+    if any(b.startswith("zero") for b in placement.values()):
         pytest.importorskip("deepspeed")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(_free_port()),
+           str(ROOT / "configs" / "accelerate" / f"{launch}_cpu.yaml"), "--main_process_port", str(_free_port()),
            "-m", "tests.distributed.placement_parity", json.dumps(placement), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, _failure(proc)
     want = json.loads((placement_baseline / "result.json").read_text())
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["world"] == 2
-    assert got["roles"]["actor"] == {"backend": "ddp", "param_type": "Parameter", "zero3_partitioned": False}
-    for role, backend in placement.items():
-        label, param_type, partitioned = ROLE_BACKENDS[backend]
+    for role, backend in {"actor": launch, **placement}.items():
+        label, param_type, partitioned, axis = ROLE_BACKENDS[backend]
         assert got["roles"][role] == {"backend": label, "param_type": param_type, "zero3_partitioned": partitioned}
         line = next(line for line in got["placement"] if line.startswith(f"{role}: "))
-        assert line.startswith(f"{role}: backend={label} where=ranks 0-1 (own layout) layout=dp_shard=2 ")
+        where = "colocated" if role == "actor" else "own layout"
+        assert line.startswith(f"{role}: backend={label} where=ranks 0-1 ({where}) layout={axis}=2 "), line
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
     assert got["values"] == pytest.approx(want["values"], rel=1e-5, abs=1e-6)
     mask = torch.tensor(want["ref_mask"]).bool()
