@@ -216,3 +216,50 @@ def test_ppo_reward_model_takes_a_reward_server_url_equal_to_the_local_reward_mo
     assert len(_logged(runs["url"], "loss")) == 2
     for key in ("reward", "loss", "loss/value_avg"):
         assert _logged(runs["url"], key) == pytest.approx(_logged(runs["local"], key), abs=1e-5), key
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_served_reference_over_two_processes_equals_the_local_one_in_one_process(placement_baseline, tmp_path):
+    """`placement={"reference": URL}` in a DDP launch of 2 gloo processes, with a critic on FSDP2: each rank reads its
+    rows' reference log-probs from one `hf-verl serve` of the baseline's reference model; the run equals the
+    one-process run with that reference local."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from hf_verl.rollout.hf_engine import TransformersEngine
+    from hf_verl.serve.server import RolloutServer
+    from tests.distributed.placement_parity import reference_model
+    from tests.test_parallel_backends import ROOT, _env, _failure, _free_port
+
+    tok = build_char_tokenizer()
+    server = RolloutServer(TransformersEngine(reference_model(tok).eval(), tok), tok, "ref", port=0).start()
+    url = f"{server.address}/v1"
+    try:
+        placement = {"critic": "fsdp2", "reference": url}
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs" / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(_free_port()),
+               "-m", "tests.distributed.placement_parity", json.dumps(placement), str(tmp_path)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, _failure(proc)
+    want = json.loads((placement_baseline / "result.json").read_text())
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert "reference" not in got["roles"] and got["world"] == 2
+    line = next(line for line in got["placement"] if line.startswith("reference: "))
+    assert line == f"reference: backend=server where={url}/completions layout=remote memory=n/a (remote)"
+    mask = torch.tensor(want["ref_mask"]).bool()
+    assert torch.equal(torch.tensor(got["ref_mask"]).bool(), mask)
+    torch.testing.assert_close(torch.tensor(got["ref_logprobs"])[mask], torch.tensor(want["ref_logprobs"])[mask],
+                               rtol=0, atol=1e-5)
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
+    assert got["values"] == pytest.approx(want["values"], rel=1e-5, abs=1e-6)
+    for sub in ("", "critic"):
+        a = load_file(str(placement_baseline / "final" / sub / "model.safetensors"))
+        b = load_file(str(tmp_path / "final" / sub / "model.safetensors"))
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst < 2e-5, (sub or "actor", worst)

@@ -4,7 +4,9 @@
 and a KL reference over one global batch of prompts, each rank taking its slice. Run alone it is the
 one-process baseline (pass `{}`: every role colocated); under `ACCELERATE_USE_CPU=1 accelerate launch
 --multi_gpu --num_processes 2` (the DDP launch) with e.g. `{"critic": "fsdp2", "reference": "zero3"}` the critic
-and the reference run on their own layouts over the same 2 processes while the actor stays on DDP.
+and the reference run on their own layouts over the same 2 processes while the actor stays on DDP; with
+`{"reference": "http://127.0.0.1:PORT/v1"}` every rank reads its rows' reference log-probs from that server (which
+the caller starts, serving :func:`reference_model`).
 
 The main rank writes `OUT/result.json`: the mean losses per step (policy and value), the backend label and the
 parameter type of each role's engine (DTensor for FSDP2, a ZeRO-3 `ds_id` for ZeRO-3), the reference's log-probs
@@ -24,12 +26,20 @@ from tests.distributed.parity import count_a, tiny_qwen2
 PROMPTS = ["abc", "xyz", "hello", "ab", "b", "cc"]
 
 
+def reference_model(tok):
+    """The KL reference of these runs (local, or served by the test for a URL placement)."""
+    return tiny_qwen2(tok, seed=3)
+
+
 def run(placement: dict, out: str) -> None:
     from hf_verl import Trainer
     from hf_verl.parallel import comm
+    from hf_verl.rewards.remote import is_url
 
     tok = build_char_tokenizer()
-    facade = Trainer(actor_model=tiny_qwen2(tok), reference_model=tiny_qwen2(tok, seed=3),
+    # a reference behind a URL is the model that server serves (the test serves reference_model(tok) there)
+    served = is_url(placement.get("reference"))
+    facade = Trainer(actor_model=tiny_qwen2(tok), reference_model=None if served else reference_model(tok),
                      critic_model=tiny_qwen2(tok, "Qwen2ForSequenceClassification", seed=1, num_labels=1),
                      reward_model=count_a, tokenizer=tok, placement=placement or None,
                      config=dict(num_generations=4, max_completion_length=6, beta=0.05, learning_rate=1e-3,
@@ -54,6 +64,8 @@ def run(placement: dict, out: str) -> None:
         roles = {}
         for name in ("actor", "critic", "reference"):
             engine = facade._role_engine(name)
+            if engine is None:  # a served reference
+                continue
             param = next(engine.model.parameters())
             roles[name] = {"backend": engine.backend.label, "param_type": type(param).__name__,
                            "zero3_partitioned": hasattr(param, "ds_id")}
