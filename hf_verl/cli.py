@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Stop the RL phase early after this long (default: run all --max-steps).")
     demo.add_argument("--dpo-loss", default="sigmoid,sft",
                       help="--algo dpo: comma-separated DPO loss types (default sigmoid DPO + NLL on chosen, RPO).")
+    demo.add_argument("--threads", type=int, default=None,
+                      help="torch CPU threads (default: 1 for the built-in model, so that its figures do not depend on "
+                           "the core count; torch's default with --model).")
     demo.add_argument("--learning-rate", type=float, default=5e-4, help="Constant learning rate of the RL phase.")
     demo.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (group size).")
     demo.add_argument("--prompts-per-step", type=int, default=16, help="Unique prompts per GRPO step.")
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                           dpo_loss=tuple(t.strip() for t in args.dpo_loss.split(",") if t.strip()),
                           learning_rate=args.learning_rate, num_generations=args.num_generations,
                           prompts_per_step=args.prompts_per_step,
-                          max_completion_length=args.max_completion_length)
+                          max_completion_length=args.max_completion_length, num_threads=args.threads)
         print_summary(result)
     return 0
 

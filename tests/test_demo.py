@@ -39,11 +39,22 @@ def test_unknown_algo_is_refused():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A whole demo run, shrunk to seconds (2 GRPO steps of 2 prompts x 2 completions, a 1-step warm-up)."""
+    import torch
+
     from hf_verl.demo.run import run_demo
 
     root = tmp_path_factory.mktemp("demo")
-    return root, run_demo(str(root), algo="grpo", max_steps=2, warmup_max_steps=1, prompts_per_step=2,
-                          num_generations=2, disable_tqdm=True)
+    threads = torch.get_num_threads()
+    result = run_demo(str(root), algo="grpo", max_steps=2, warmup_max_steps=1, prompts_per_step=2,
+                      num_generations=2, disable_tqdm=True)
+    assert torch.get_num_threads() == threads  # the run's single thread does not outlive it
+    return root, result
+
+
+def test_the_built_in_demo_runs_on_one_thread(tiny_run):
+    # its figures then do not depend on the core count (README's table is measured so)
+    summary = json.loads(open(os.path.join(tiny_run[1].output_dir, "summary.json")).read())
+    assert summary["torch_threads"] == 1
 
 
 def test_run_folders_are_never_reused_and_latest_follows_the_last(tmp_path):

@@ -221,11 +221,32 @@ def _plot_rewards(history: list[dict], path: str, key: str = "reward", algo: str
     plt.close(fig)
 
 
-def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = None, dataset_name: str | None = None,
-             seed: int = 0, rl_seconds: float | None = None, max_steps: int = 500, warmup_target: float = 0.35,
-             warmup_max_steps: int = 300, learning_rate: float = 5e-4, num_generations: int = 8,
-             prompts_per_step: int = 16, max_completion_length: int = 6, disable_tqdm: bool = False,
-             dpo_loss: tuple[str, ...] = ("sigmoid", "sft")) -> DemoResult:
+def run_demo(output_dir: str, *, num_threads: int | None = None, **kwargs) -> DemoResult:
+    """[`demo_run_body`] with torch's CPU threads set for the run (and restored after it).
+
+    `num_threads=None` means 1 for the built-in model: its figures then do not depend on the machine's core count
+    (the thread count changes float reductions, and 500 RL steps amplify the difference), and a single thread
+    does not spin against other work on a shared machine. With `model_name` (a real model) None keeps torch's
+    default. `kwargs` are [`demo_run_body`]'s.
+    """
+    if num_threads is None and kwargs.get("model_name") is None:
+        num_threads = 1
+    previous = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+        logger.info("torch CPU threads for this run: %d", num_threads)
+    try:
+        return demo_run_body(output_dir, **kwargs)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def demo_run_body(output_dir: str, *, algo: str = "grpo", model_name: str | None = None,
+                  dataset_name: str | None = None, seed: int = 0, rl_seconds: float | None = None,
+                  max_steps: int = 500, warmup_target: float = 0.35, warmup_max_steps: int = 300,
+                  learning_rate: float = 5e-4, num_generations: int = 8, prompts_per_step: int = 16,
+                  max_completion_length: int = 6, disable_tqdm: bool = False,
+                  dpo_loss: tuple[str, ...] = ("sigmoid", "sft")) -> DemoResult:
     """Warm up, measure held-out greedy accuracy, train with `algo`, measure again; write
     `metrics.jsonl`, `reward.png`, `summary.json` and the trained model (`model/`) into a new folder
     `<output_dir>/<algo>/<time>-seed<seed>`, and point `<output_dir>/latest` at it.
@@ -338,7 +359,7 @@ def run_demo(output_dir: str, *, algo: str = "grpo", model_name: str | None = No
     _plot_rewards(history, plot_path, REWARD_KEY[algo], algo.upper())
     summary = {"accuracy_before": acc_before, "accuracy_after": acc_after, "warmup_steps": warm_steps,
                "warmup_train_accuracy": warm_acc, "rl_steps": trainer.state.global_step, "rl_seconds": rl_secs,
-               "algo": algo, "seed": seed, "model_dir": model_dir, **extra}
+               "algo": algo, "seed": seed, "torch_threads": torch.get_num_threads(), "model_dir": model_dir, **extra}
     summary_path = os.path.join(output_dir, "summary.json")
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=2)
