@@ -39,6 +39,7 @@ from hf_verl.parallel import deepspeed as ds
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
 from hf_verl.parallel.fsdp import apply_fsdp, release_root
+from hf_verl.parallel.sharded_load import load_fsdp_shards, pending_checkpoint
 from hf_verl.parallel.ulysses import apply_sequence_parallel
 from hf_verl.parallel.weight_export import iter_weight_buckets, plain_state_items
 
@@ -61,7 +62,9 @@ class AccelerateEngine(HFLayouts, TrainingEngine):
     """A model role trained (or run frozen) on one of accelerate's layouts (see the module docstring).
 
     Args:
-        model (`torch.nn.Module`): a transformers model (or a `PeftModel`), unsharded, on its device.
+        model (`torch.nn.Module`): a transformers model (or a `PeftModel`), unsharded, on its device; under FSDP2
+            also a model from :func:`~hf_verl.parallel.sharded_load.load_sharded` (parameters on the meta device),
+            whose shards are read from its checkpoint once sharded; under ZeRO-3 also one already partitioned by it.
         role (`str`): "actor", "critic", "reference" or "reward".
         dims ([`ParallelDims`]): the run's layout.
         backend ([`BackendSpec`]): the run's backend.
@@ -105,6 +108,11 @@ class AccelerateEngine(HFLayouts, TrainingEngine):
             if config is not None:
                 config.use_cache = False
         kind = backend.kind
+        pending = pending_checkpoint(model)
+        if pending is not None and kind != "fsdp2":
+            raise ValueError(f"the {role} model was built without its weights for FSDP2 (its parameters are on the meta "
+                             f"device, to be read from {pending}), but the {role} runs on {backend.label}: load it "
+                             "with hf_verl.parallel.sharded_load.load_sharded for this layout, or with from_pretrained.")
         low = amp_dtype(bf16, fp16)
         # FSDP2 casts parameters (param_dtype) and DeepSpeed runs its own bf16 / fp16; the rest autocast
         self.autocast_dtype = low if kind in ("plain", "ddp") else None
@@ -120,6 +128,8 @@ class AccelerateEngine(HFLayouts, TrainingEngine):
             apply_fsdp(model, dims.fsdp_mesh(), reshard_after_forward=backend.reshard_after_forward,
                        param_dtype=low, reduce_dtype=torch.float32 if low is not None else None,
                        offload_params=backend.offload_params)
+            if pending is not None:  # built on the meta device: this rank's shards are read from the checkpoint
+                load_fsdp_shards(model, device=_shard_device(dims, backend))
         elif kind == "deepspeed":
             self._ds_config = ds.deepspeed_config(
                 backend, micro_batch_size=micro_batch_size, gradient_accumulation_steps=gradient_accumulation_steps,
@@ -411,6 +421,14 @@ class AccelerateEngine(HFLayouts, TrainingEngine):
         missing, unexpected = self._model.load_state_dict(state, strict=False)
         if unexpected:
             raise ValueError(f"{self.role} weights have keys the model lacks: {unexpected[:5]}")
+
+
+def _shard_device(dims: ParallelDims, backend: BackendSpec) -> torch.device:
+    """Where FSDP2 keeps a rank's parameter shards: the CPU under parameter offload or on a CPU mesh, else the
+    rank's current accelerator."""
+    if backend.offload_params or dims.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(dims.device_type, torch.cuda.current_device())
 
 
 @contextlib.contextmanager

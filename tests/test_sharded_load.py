@@ -1,0 +1,196 @@
+"""Sharded loading (`hf_verl.parallel.sharded_load`): each rank reads only its own part of a safetensors checkpoint.
+
+Fast: the byte-range reader against `safetensors.torch.load_file` over several dtypes, the shard / partition
+arithmetic against `torch.chunk` and DeepSpeed's rule, the model built without weights, and the errors.
+Multi-process: `tests/distributed/sharded_load.py` on 2 gloo processes, FSDP2 and ZeRO-3: the actor, a frozen
+reference and a tied-embedding model, loaded sharded, equal `from_pretrained`'s whole load exactly (weights
+gathered; the reference's logits too), and every parameter is really sharded (each rank holds about half).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_verl.engine.registry import RoleLayout
+from hf_verl.parallel.backend import BackendSpec
+from hf_verl.parallel.dims import ParallelDims
+from hf_verl.parallel.sharded_load import (
+    CHECKPOINT_ATTR,
+    SafetensorsCheckpoint,
+    empty_model,
+    load_sharded,
+    partition_range,
+    pending_checkpoint,
+    shard_range,
+    sharded_load_applies,
+)
+from tests.distributed.sharded_load import save_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tensors_file(tmp_path_factory):
+    torch.manual_seed(0)
+    tensors = {"f32": torch.randn(7, 5), "bf16": torch.randn(5, 3, 2).bfloat16(), "f16": torch.randn(9).half(),
+               "i64": torch.arange(12).view(3, 4), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    path = tmp_path_factory.mktemp("st") / "model.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    save_tiny_llama(str(path), tied=False, seed=3)
+    return path
+
+
+def test_reader_equals_safetensors(tensors_file):
+    ckpt = SafetensorsCheckpoint(str(tensors_file.parent))
+    whole = load_file(str(tensors_file))
+    assert set(ckpt.entries) == set(whole)
+    for name, tensor in whole.items():
+        assert ckpt.entry(name).dtype == tensor.dtype and ckpt.entry(name).shape == tuple(tensor.shape)
+        if tensor.dim() == 0:
+            assert torch.equal(ckpt.read_rows(name, 0, 1), tensor)
+            continue
+        n = tensor.shape[0]
+        for start, stop in [(0, n), (0, n // 2), (n // 2, n)] + ([(1, n - 1)] if n >= 2 else []):
+            assert torch.equal(ckpt.read_rows(name, start, stop), tensor[start:stop]), (name, start, stop)
+        flat = tensor.reshape(-1)
+        if flat.numel():
+            assert torch.equal(ckpt.read_flat(name, 1, flat.numel()), flat[1:]), name
+    out = torch.empty(2, 5)
+    assert ckpt.read_rows("f32", 3, 5, out=out) is not None and torch.equal(out, whole["f32"][3:5])
+
+
+def test_reader_errors(tensors_file, tmp_path):
+    ckpt = SafetensorsCheckpoint(str(tensors_file.parent))
+    with pytest.raises(ValueError, match=r"elements \[0, 99\) are outside 'f16'"):
+        ckpt.read_flat("f16", 0, 99)
+    with pytest.raises(ValueError, match="needs a contiguous CPU torch.float32 tensor of 5 elements"):
+        ckpt.read_rows("f32", 0, 1, out=torch.empty(5, dtype=torch.float64))
+    with pytest.raises(KeyError, match="'nope' is not in the checkpoint"):
+        ckpt.read_flat("nope", 0, 0)
+    with pytest.raises(FileNotFoundError, match="no .safetensors file in .*save_pretrained\\(safe_serialization=True\\)"):
+        SafetensorsCheckpoint(str(tmp_path))
+    truncated = tmp_path / "model.safetensors"
+    truncated.write_bytes(tensors_file.read_bytes()[:-40])
+    with pytest.raises(ValueError, match="truncated"):
+        ckpt2 = SafetensorsCheckpoint(str(tmp_path))
+        for name, entry in ckpt2.entries.items():
+            ckpt2.read_flat(name, 0, entry.numel)
+    (tmp_path / "model.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00{{{{")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        SafetensorsCheckpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("length", [0, 1, 5, 8, 97])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_shard_range_is_torch_chunk(length, parts):
+    chunks = list(torch.arange(length).chunk(parts)) if length else []
+    for index in range(parts):
+        start, stop = shard_range(length, parts, index)
+        expected = chunks[index].tolist() if index < len(chunks) else []
+        assert list(range(start, stop)) == expected
+
+
+def test_partition_range_is_deepspeeds():
+    # DeepSpeed pads numel up to a multiple of the partitions and cuts it evenly
+    assert [partition_range(10, 4, i) for i in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [partition_range(8, 2, i) for i in range(2)] == [(0, 4), (4, 8)]
+    assert [partition_range(1, 2, i) for i in range(2)] == [(0, 1), (1, 1)]
+    with pytest.raises(ValueError, match="partition 2 of 2 does not exist"):
+        partition_range(4, 2, 2)
+
+
+def _layout(kind, world=2, stage=0, engine="accelerate"):
+    backend = BackendSpec(kind=kind, zero_stage=stage)
+    dims = ParallelDims.data_parallel(world, 0, shard=backend.shards)
+    return RoleLayout(backend=backend, dims=dims, engine=engine)
+
+
+def test_when_loading_is_sharded():
+    assert sharded_load_applies(_layout("fsdp2"))
+    assert sharded_load_applies(_layout("deepspeed", stage=3))
+    assert not sharded_load_applies(_layout("deepspeed", stage=2))
+    assert not sharded_load_applies(_layout("ddp"))
+    assert not sharded_load_applies(_layout("fsdp2", world=1))
+    assert not sharded_load_applies(_layout("plain", world=1))
+
+
+def test_empty_model_builds_without_weights(llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = empty_model(str(llama_dir))
+    whole = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    assert all(p.is_meta for p in model.parameters())
+    assert pending_checkpoint(model) == str(llama_dir)
+    assert not model.training
+    names = dict(model.named_parameters())
+    assert {k: tuple(v.shape) for k, v in names.items()} == {k: tuple(v.shape) for k, v in whole.named_parameters()}
+    buffers = dict(model.named_buffers())
+    for name, buf in whole.named_buffers():  # rotary inv_freq: built for real, as from_pretrained builds it
+        assert not buffers[name].is_meta and torch.equal(buffers[name], buf)
+    assert model.config._attn_implementation == whole.config._attn_implementation
+
+
+def test_load_sharded_refuses_unsharded_layouts(llama_dir):
+    with pytest.raises(ValueError, match="needs FSDP2 or DeepSpeed ZeRO-3 over 2 or more .* ddp"):
+        load_sharded(str(llama_dir), _layout("ddp"))
+
+
+def test_engine_refuses_a_pending_model_off_fsdp2(llama_dir):
+    from hf_verl.engine.registry import make_engine
+
+    model = empty_model(str(llama_dir))
+    with pytest.raises(ValueError, match="built without its weights for FSDP2 .* runs on plain: load it with"):
+        make_engine(model, "reference", _layout("plain", world=1), trainable=False)
+    setattr(model, CHECKPOINT_ATTR, None)
+    assert pending_checkpoint(model) is None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               DS_ACCELERATOR="cpu")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("zero3", marks=pytest.mark.optional_backend)])
+def test_sharded_load_equals_whole_load(backend, tmp_path):
+    if backend == "zero3":
+        pytest.importorskip("deepspeed")
+    untied, tied, out = tmp_path / "untied", tmp_path / "tied", tmp_path / "result.json"
+    save_tiny_llama(str(untied), tied=False, seed=1)
+    save_tiny_llama(str(tied), tied=True, seed=2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "tests.distributed.sharded_load", backend, str(untied), str(tied), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result) == {"actor", "reference", "tied"}
+    for case, r in result.items():
+        assert r["sharded"], case
+        assert 0.45 < r["share"] < 0.55, (case, r["share"])  # each of the 2 ranks holds about half
+        assert r["same_names"] and r["attn"], case
+        assert r["weight_diff"] == 0.0, (case, r["weight_diff"])  # exactly the checkpoint's bytes
+    assert result["reference"]["logit_diff"] <= 1e-6
+    assert result["tied"]["still_tied"]
