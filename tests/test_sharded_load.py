@@ -194,3 +194,5 @@ def test_sharded_load_equals_whole_load(backend, tmp_path):
         assert r["weight_diff"] == 0.0, (case, r["weight_diff"])  # exactly the checkpoint's bytes
     assert result["reference"]["logit_diff"] <= 1e-6
     assert result["tied"]["still_tied"]
+    if backend == "fsdp2":
+        assert result["actor"]["grad_diff"] == 0.0

@@ -6,7 +6,8 @@ rank loads the actor (trained), a reference (frozen; for FSDP2 the trainers' `fr
 pending actor) and a tied-embedding actor through `load_sharded` + `make_engine`, then the main rank
 writes OUT (JSON): per case, whether the parameters are sharded, this rank's share of the elements,
 the largest difference of the gathered weights from `from_pretrained`'s, and for the reference the
-largest logit difference from the whole model's forward.
+largest logit difference from the whole model's forward; for FSDP2 also the largest gradient difference of
+one backward against the same engine over a whole load.
 """
 
 import json
@@ -95,6 +96,15 @@ def main(backend: str, untied: str, tied: str, out: str) -> None:
         logits = reference.forward(input_ids=ids).logits
         expected = whole(input_ids=ids).logits
     result["reference"]["logit_diff"] = float((logits - expected).abs().max())
+
+    if backend == "fsdp2":  # trains: the same gradients as the whole load sharded by the same engine
+        loaded = make_engine(AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32), "actor", layout,
+                             trainable=True)
+        grads = []
+        for engine in (actor, loaded):
+            engine.module(input_ids=ids).logits.float().pow(2).mean().backward()
+            grads.append({n: p.grad.full_tensor() for n, p in engine.model.named_parameters()})
+        result["actor"]["grad_diff"] = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[1])
 
     whole_tied = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32)
     tied_engine = make_engine(load_sharded(tied, layout), "actor", layout, trainable=True)
