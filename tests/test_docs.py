@@ -114,10 +114,7 @@ def section(text: str, title: str) -> str:
 
 # Known breakage in pages this check's author does not own, to be fixed by their owner; strict, so that the entry
 # must go once the page is fixed.
-KNOWN_BROKEN_LINKS = {
-    "docs/benchmarks.md": "its '([below](#shared-prompts))' misses the heading's anchor "
-                          "(#shared-prompts-benchmarksprefix_sharingpy)",
-}
+KNOWN_BROKEN_LINKS: dict[str, str] = {}  # page -> why its broken link is known (an xfail that flags its own fix)
 
 
 def _with_known(pages, known):
