@@ -179,6 +179,10 @@ SETTINGS: dict[str, Setting] = {
                                           "Megatron tensor-parallel degree (backend='megatron')."),
     "pipeline_model_parallel_size": Setting(1, (int,), _pos_int, "an int >= 1",
                                             "Megatron pipeline stages (backend='megatron')."),
+    "parallel": Setting(None, (str, _NONE), lambda v: v in (None, "manual", "auto"), "None, 'manual' or 'auto'",
+                        "'auto': the planner chooses the layout from model_size (or the actor's config) for the "
+                        "launch's processes, before anything is loaded; None: the same when model_size is set, else "
+                        "the launch's layout; 'manual': always the launch's. An explicit layout wins."),
     "seed": Setting(42, (int,), lambda v: True, "an int", "The run's seed: the dataset draw order and per-row seeds.", trainers=False),
     "ddp_timeout": Setting(1800, (int,), _pos_int, "an int >= 1 (seconds)",
                            "TrainingArguments' name: the process group's timeout, and the longest a rank waits for its "

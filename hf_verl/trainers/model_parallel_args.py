@@ -37,12 +37,21 @@ class ModelParallelArguments:
         "Megatron tensor-parallel degree (backend='megatron'); must divide the attention and key-value heads."))
     pipeline_model_parallel_size: int = field(default=1, metadata=_help(
         "Megatron pipeline stages (backend='megatron'); must divide the layers."))
+    parallel: str | None = field(default=None, metadata=_help(
+        "'auto': hf_verl's planner chooses the layout (tp / pp / sp, FSDP2, activation checkpointing, micro-batch) "
+        "for this launch's processes from model_size, logged once; an explicit layout in this config or the launch "
+        "wins (the log says so). None / 'manual': the layout is the launch's and these fields' (docs/planner.md)."))
+    model_size: int | str | None = field(default=None, metadata=_help(
+        "What parallel='auto' / per_device_train_batch_size='auto' size: a size string ('7b', '500M'), a parameter "
+        "count, or the model's local path / Hub id (its config is read offline)."))
 
     def _resolve_model_parallel(self) -> None:
         """Read an accelerate MEGATRON_LM launch into the fields, switch accelerate's own plugin off, and check the
         fields (call before `TrainingArguments.__post_init__`, which may build accelerate's state)."""
         from hf_verl.parallel.megatron.launch import resolve_megatron_settings
+        from hf_verl.parallel.planner.apply import apply_parallel_plan
 
+        apply_parallel_plan(self, self.model_size, type(self).__name__)  # parallel="auto": before the layout is read
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -1,0 +1,306 @@
+"""The layout planner (hf_verl.parallel.planner): the memory model's arithmetic, the layout limits, the seed
+article's three examples on 80 GiB devices, the errors, and `parallel="auto"` / `per_device_train_batch_size="auto"`
+in the configs and the facade. The slow test runs validation configurations of benchmarks/memory_model.py and
+checks the measured peak RSS against the prediction."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hf_verl.parallel.planner import (REFERENCE_ARCHITECTURES, Architecture, Layout, PlanError, Workload,
+                                      memory_breakdown, plan, resolve_architecture)
+from hf_verl.parallel.planner.memory import GiB, MiB
+from hf_verl.parallel.planner.plan import _shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCH = Architecture(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=512, vocab=1000, source="test")
+
+
+def _tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+
+
+# ------------------------------------------------------------------ architectures
+def test_formula_counts_a_real_model_exactly():
+    model = _tiny_llama()
+    arch = resolve_architecture(model.config)
+    assert arch.params == sum(p.numel() for p in model.parameters())
+    assert resolve_architecture(model).num_params == arch.params
+
+
+@pytest.mark.parametrize("size,billions", [("7b", 6.74), ("13b", 13.02), ("70b", 68.98), ("0.5b", 0.49)])
+def test_reference_architectures_match_the_public_counts(size, billions):
+    arch = resolve_architecture(size.upper())
+    assert arch is REFERENCE_ARCHITECTURES[size]
+    assert arch.params / 1e9 == pytest.approx(billions, abs=0.01)
+    assert "architecture" in arch.source
+
+
+def test_other_sizes_scale_the_nearest_reference_and_say_so():
+    arch = resolve_architecture("20b")
+    assert arch.params / 1e9 == pytest.approx(20, rel=0.15)
+    assert "layers" in arch.source and arch.hidden == REFERENCE_ARCHITECTURES["13b"].hidden
+
+
+def test_unreadable_model_names_what_to_pass():
+    with pytest.raises(ValueError, match="size string"):
+        resolve_architecture("no-such-org/no-such-model-xyz")
+    with pytest.raises(ValueError, match="size string"):
+        resolve_architecture(3.5)
+
+
+# ------------------------------------------------------------------ memory arithmetic
+def _est(layout, **work):
+    return memory_breakdown(ARCH, layout, Workload(seq_len=128, **work), baseline_bytes=0)
+
+
+def test_plain_adamw_fp32_counts_4_4_8_bytes_a_parameter():
+    est = _est(Layout())
+    c, p = est.components, ARCH.params
+    assert c["actor weights"] == int(4 * p)
+    assert c["actor optimizer states"] == int(8 * p)
+    assert c["actor gradients"] == int(4 * p)
+    assert "actor gradients" not in est.resident  # freed at zero_grad, rebuilt as activations are freed
+    # on the host the allocator keeps freed blocks: the step's transients add up
+    transients = ("activations", "logits", "gradients", "optimizer step temporaries", "attention scores (one layer)")
+    assert est.peak_bytes == c["actor weights"] + c["actor optimizer states"] + sum(c[f"actor {t}"] for t in transients)
+    # on a device, the gradients replace the activations as backward runs: the larger group binds
+    gpu = memory_breakdown(ARCH, Layout(), Workload(seq_len=128, device="cuda"), baseline_bytes=0)
+    g = gpu.components
+    assert "actor attention scores (one layer)" not in g  # flash attention keeps no scores
+    step = g["actor activations"] + g["actor logits"]
+    opt = g["actor gradients"] + g["actor optimizer step temporaries"]
+    assert gpu.peak_bytes == g["actor weights"] + g["actor optimizer states"] + max(step, opt)
+
+
+def test_sharding_divides_what_it_shards():
+    p = ARCH.params
+    fsdp = _est(Layout(dp=4, sharding="fsdp2")).components
+    assert fsdp["actor weights"] == int(4 * p / 4) and fsdp["actor optimizer states"] == int(8 * p / 4)
+    assert fsdp["actor gradients"] == int(4 * p / 4)
+    assert fsdp["actor loading (whole model)"] == int(4 * p - 4 * p / 4)  # today's loading: whole model first
+    zero2 = _est(Layout(dp=4, sharding="zero2")).components
+    assert zero2["actor weights"] == int(4 * p) and zero2["actor gradients"] == int(p)
+    assert zero2["actor optimizer states"] == int(2 * p)
+    ddp = _est(Layout(dp=4)).components
+    assert ddp["actor DDP gradient buckets"] == int(4 * p) and ddp["actor optimizer states"] == int(8 * p)
+    # FSDP2 with Ulysses shards over dp x sp; with gradient accumulation it holds unsharded gradients
+    sp = _est(Layout(dp=2, sp=2, sharding="fsdp2")).components
+    assert sp["actor weights"] == int(p)
+    assert _est(Layout(dp=4, sharding="fsdp2"), grad_accumulation=4).components["actor gradients"] == int(4 * p)
+
+
+def test_activations_checkpointing_sp_and_logit_chunks():
+    full = _est(Layout(micro_batch_size=4)).components["actor activations"]
+    ckpt = _est(Layout(micro_batch_size=4, activation_checkpointing=True)).components["actor activations"]
+    sp = _est(Layout(micro_batch_size=4, sp=2)).components["actor activations"]
+    assert ckpt < full / 2 and sp == pytest.approx(full / 2, rel=1e-6)
+    chunked = _est(Layout(micro_batch_size=4), logprob_chunk=64).components["actor logits"]
+    whole = _est(Layout(micro_batch_size=4), logprob_chunk=None).components["actor logits"]
+    assert whole > 4 * chunked
+    # per token per layer, elements: 4h + 3 q_dim + 2 kv_dim + 4 i (fp32)
+    per_token = (4 * 256 + 3 * 256 + 2 * 128 + 4 * 512) * 4
+    assert full == pytest.approx(4 * 128 * (4 * per_token + 2 * 256 * 4), rel=1e-9)
+
+
+def test_offload_moves_states_to_the_host_on_a_device_not_on_this_cpu():
+    gpu = memory_breakdown(ARCH, Layout(dp=2, sharding="zero2", offload_optimizer=True),
+                           Workload(seq_len=128, device="cuda"))
+    assert "actor optimizer states" not in gpu.components and gpu.host["actor optimizer states"] > 0
+    cpu = _est(Layout(dp=2, sharding="zero2", offload_optimizer=True))
+    assert cpu.components["actor optimizer states"] > 0 and not cpu.host
+
+
+def test_frozen_roles_and_rollout_add_up():
+    actor = _est(Layout(), rollout_weight_bytes=2)
+    ref = memory_breakdown(ARCH, Layout(), Workload(seq_len=128, trainable=False), role="reference", baseline_bytes=0)
+    both = actor + ref
+    assert "reference optimizer states" not in both.components
+    assert both.components["reference weights"] == int(4 * ARCH.params)
+    assert both.components["actor rollout engine weights"] == int(2 * ARCH.params)
+    assert both.peak_bytes > actor.peak_bytes
+
+
+def test_estimate_memory_reads_a_trainer_config(tmp_path):
+    from hf_verl import DPOConfig, GRPOConfig
+    from hf_verl.parallel import estimate_memory
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8,
+                      max_prompt_length=32, max_completion_length=96, beta=0.04)
+    est = estimate_memory(_tiny_llama(), args, Layout(micro_batch_size=8))
+    assert {"actor weights", "reference weights", "runtime baseline"} <= set(est.components)
+    no_ref = estimate_memory(_tiny_llama(), GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                                       per_device_train_batch_size=8), Layout(micro_batch_size=8))
+    assert "reference weights" not in no_ref.components
+    dpo = estimate_memory("0.5b", DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_length=256),
+                          Layout(dp=2, sharding="fsdp2"))
+    assert dpo.components["actor weights"] == int(4 * REFERENCE_ARCHITECTURES["0.5b"].params / 2)
+    with pytest.raises(TypeError, match="GRPOConfig"):
+        estimate_memory("7b", object())
+
+
+# ------------------------------------------------------------------ limits
+def test_layout_limits_heads_kv_heads_layers():
+    arch = Architecture(hidden=768, layers=6, heads=12, kv_heads=4, intermediate=2048, vocab=32000)
+    shapes = _shapes(arch, 8, 8)
+    assert shapes and all(tp in (1, 2, 4) for tp, *_ in shapes)  # tp divides 12 heads and 4 kv heads
+    assert all(arch.layers % pp == 0 for _, pp, _, _ in shapes)  # 6 layers: pp in 1, 2
+    assert {pp for _, pp, _, _ in shapes} == {1, 2}
+    assert all(arch.heads % sp == 0 and sp <= arch.heads for _, _, sp, _ in shapes)  # sp in 1, 2, 4 (not 8)
+    assert {sp for _, _, sp, _ in shapes} == {1, 2, 4}
+    assert all(tp * pp * sp * dp == 8 for tp, pp, sp, dp in shapes)
+
+
+def test_megatron_vocab_padding_is_counted():
+    arch = Architecture(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000)
+    from hf_verl.parallel.planner.plan import _padded
+
+    assert _padded(arch, 2).vocab == 1024 and _padded(arch, 4).vocab == 1024 and _padded(arch, 8).vocab == 1024
+    assert _padded(arch, 2).params == arch.params + 24 * 64 * 2
+
+
+# ------------------------------------------------------------------ the seed article's three examples (80 GiB)
+def test_seed_2_gpus_13b_is_fsdp_data_parallel_with_the_numbers():
+    p = plan("13b", num_devices=2, device_memory_gib=80, seq_len=4096)
+    assert p.layout.dp == 2 and p.layout.sharding == "fsdp2" and p.layout.tp == p.layout.pp == 1
+    assert p.memory_per_rank <= 80 * GiB
+    text = p.explain()
+    # honest arithmetic: 13B x 16 bytes = 208 GB > 2 x 80 GiB, so the optimizer states go to the host
+    assert "208 GB of weights, gradients and optimizer states" in text and "do not fit one 80 GiB device" in text
+    assert p.layout.offload_optimizer and "host memory" in text
+    assert "rejected:" in text and "DDP" in text and "does not fit" in text
+
+
+def test_seed_8_gpus_70b_full_fine_tuning_does_not_fit_and_says_what_to_add():
+    with pytest.raises(PlanError) as err:
+        plan("70b", num_devices=8, device_memory_gib=80, seq_len=4096)
+    msg = str(err.value)
+    assert "1.10 TB of weights, gradients and optimizer states" in msg and "8 x 80 GiB" in msg
+    assert "add devices" in msg and "LoRA" in msg
+
+
+def test_seed_8_gpus_70b_lora_is_megatron_tp_pp():
+    p = plan("70b", num_devices=8, device_memory_gib=80, seq_len=4096, trainable_fraction=0.01)
+    assert p.layout.megatron and p.layout.tp * p.layout.pp == 8
+    assert p.memory_per_rank <= 80 * GiB and "megatron-core" in p.explain()
+    # without the rollout engine's own copy of the weights the frozen and trained roles also fit on TP x PP
+    assert "rollout engine weights" in p.explain() or p.roles["actor"].memory.components["actor rollout engine weights"]
+
+
+def test_seed_32k_context_is_ulysses_sp():
+    p = plan("7b", num_devices=8, device_memory_gib=80, seq_len=32768, global_batch=64)
+    assert p.layout.sp > 1 and 32 % p.layout.sp == 0
+    assert p.step.parts["all-to-all (sequence parallel)"] > 0
+    assert "s/step" in str(p)
+
+
+def test_plan_prefers_the_fastest_layout_that_fits():
+    p = plan("0.5b", num_devices=8, device_memory_gib=80, seq_len=1024, algo="dpo")
+    fitting = [label for label, why in p.rejected if why.startswith("fits")]
+    assert fitting, p.explain()
+    for label, why in p.rejected:
+        if why.startswith("fits"):
+            slower, chosen = (float(x) for x in why.split("slower: ")[1].split(" s (")[0].split(" s vs "))
+            assert slower >= chosen
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="num_devices"):
+        plan("7b", num_devices=0, device_memory_gib=80, seq_len=1024)
+    with pytest.raises(ValueError, match="algo"):
+        plan("7b", num_devices=1, device_memory_gib=80, seq_len=1024, algo="sft")
+    with pytest.raises(PlanError, match="What to add: add devices"):
+        plan("7b", num_devices=1, device_memory_gib=16, seq_len=1024)
+    with pytest.raises(ValueError, match="sharding"):
+        Layout(tp=2, sharding="fsdp2")
+
+
+# ------------------------------------------------------------------ parallel="auto" in the configs
+def test_grpo_config_auto_batch_keeps_the_global_batch(tmp_path, caplog):
+    from hf_verl import GRPOConfig
+
+    with caplog.at_level(logging.INFO, logger="hf_verl.parallel.planner.apply"):
+        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], parallel="auto", model_size="0.5b",
+                          per_device_train_batch_size="auto", gradient_accumulation_steps=4, max_prompt_length=64,
+                          max_completion_length=64)
+    assert isinstance(args.per_device_train_batch_size, int)
+    assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8 * 4  # one process
+    assert "parallel='auto' on 1 process" in caplog.text and "to keep the global batch of 32 rows" in caplog.text
+
+
+def test_auto_without_a_model_size_names_the_field(tmp_path):
+    from hf_verl import DPOConfig
+
+    with pytest.raises(ValueError, match="model_size"):
+        DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], parallel="auto")
+    with pytest.raises(ValueError, match="parallel must be"):
+        DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], parallel="fast", model_size="7b")
+
+
+def test_explicit_layout_wins_and_the_log_says_so(monkeypatch, caplog):
+    from hf_verl.parallel.planner.apply import _LOGGED, apply_parallel_plan, explicit_layout
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = SimpleNamespace(parallel="auto", model_size="0.5b", sequence_parallel_size=2, backend=None,
+                             tensor_model_parallel_size=1, pipeline_model_parallel_size=1, gradient_checkpointing=False,
+                             per_device_train_batch_size=4, gradient_accumulation_steps=1, max_prompt_length=64,
+                             max_completion_length=64, beta=0.0, bf16=False)
+    assert explicit_layout(config) == "sequence_parallel_size=2"
+    _LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="hf_verl.parallel.planner.apply"):
+        apply_parallel_plan(config, config.model_size, "GRPOConfig")
+    assert config.sequence_parallel_size == 2 and config.tensor_model_parallel_size == 1  # untouched
+    assert "the explicit layout (sequence_parallel_size=2) wins" in caplog.text
+    manual = SimpleNamespace(**{**config.__dict__, "parallel": None, "sequence_parallel_size": 1})
+    apply_parallel_plan(manual, "0.5b", "GRPOConfig")
+    assert manual.per_device_train_batch_size == 4  # explicit layouts behave exactly as today
+
+
+def test_facade_settings_and_model_size_replans_before_loading(caplog):
+    from hf_verl import Trainer
+    from hf_verl.facade.config import TrainerConfig
+    from hf_verl.parallel.planner.apply import _LOGGED
+
+    assert TrainerConfig(parallel="auto").parallel == "auto"
+    with pytest.raises(ValueError, match="parallel must be None, 'manual' or 'auto'"):
+        TrainerConfig(parallel="yes")
+    trainer = Trainer(actor_model="no-such-org/never-loaded", reward_model=lambda completions, **kw: [0.0])
+    trainer.config.model_size = "70b"
+    with pytest.raises(PlanError, match="68.98B-parameter actor"):
+        trainer.dims  # the first layout plans for 70B on this one CPU process: does not fit
+    assert not trainer.actor.loaded
+    _LOGGED.clear()
+    trainer.config.model_size = "0.5b"
+    with caplog.at_level(logging.INFO, logger="hf_verl.parallel.planner.apply"):
+        dims = trainer.dims
+    assert trainer.layout_plan is not None and trainer.layout_plan.layout.world_size == dims.world_size == 1
+    assert "parallel layout planned for 0.5b" in caplog.text and not trainer.actor.loaded
+
+
+# ------------------------------------------------------------------ validation against measured peak RSS
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_memory_model_against_measured_peak_rss():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import memory_model
+
+    names = ["plain-s-256", "plain-s-1024-ckpt", "ddp2-s-256", "fsdp2-s-256"]
+    errors = []
+    for name in names:
+        _, _, est = memory_model.predict(name)
+        measured = max(memory_model.measure(name, steps=2))
+        assert measured > 300 * MiB
+        errors.append(abs(est.peak_bytes - measured) / measured)
+    assert max(errors) <= 0.25, dict(zip(names, errors))
+    assert statistics.median(errors) <= 0.10, dict(zip(names, errors))
