@@ -331,6 +331,9 @@ def plan(model: Any, *, num_devices: int, device_memory_gib: float, seq_len: int
         notes.append("tensor / pipeline parallelism runs on hf_verl's Megatron engine (backend='megatron', needs "
                      "megatron-core: pip install 'hf_verl[megatron]'); the vocabulary is padded to a multiple of "
                      f"{128 * layout.tp}")
+        if trainable_fraction < 1:
+            notes.append("hf_verl's Megatron engine trains full weights (LoRA adapters are not bridged yet): with "
+                         "LoRA this layout is the arithmetic's answer, not yet a runnable one")
     if layout.offload_optimizer:
         notes.append("optimizer states (and with FSDP2 the parameters) live in host memory: "
                      f"{sum(e.host.get(k, 0) for e in mems.values() for k in e.host) / GiB:.0f} GiB of host RAM "
