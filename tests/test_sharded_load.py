@@ -5,6 +5,9 @@ arithmetic against `torch.chunk` and DeepSpeed's rule, the model built without w
 Multi-process: `tests/distributed/sharded_load.py` on 2 gloo processes, FSDP2 and ZeRO-3: the actor, a frozen
 reference and a tied-embedding model, loaded sharded, equal `from_pretrained`'s whole load exactly (weights
 gathered; the reference's logits too), and every parameter is really sharded (each rank holds about half).
+The trainers' string path (`tests/distributed/sharded_load_trainers.py`, launched with the shipped FSDP2 / ZeRO-3
+CPU configs): GRPO (2 steps) and DPO (1 step, actor and reference from the path) give the losses and final weights
+of the same runs given the model loaded whole, and each rank read about half of every role's weights.
 """
 
 import json
@@ -25,10 +28,13 @@ from hf_verl.parallel.sharded_load import (
     SafetensorsCheckpoint,
     empty_model,
     load_sharded,
+    loaded_sharded,
     partition_range,
     pending_checkpoint,
     shard_range,
     sharded_load_applies,
+    state_sums,
+    whole_copy,
 )
 from tests.distributed.sharded_load import save_tiny_llama
 
@@ -196,3 +202,68 @@ def test_sharded_load_equals_whole_load(backend, tmp_path):
     assert result["tied"]["still_tied"]
     if backend == "fsdp2":
         assert result["actor"]["grad_diff"] == 0.0
+
+
+def test_whole_copy_reads_the_generation_replica_whole(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_llama(str(tmp_path), tied=False, seed=3)
+    pending = empty_model(str(tmp_path))
+    assert loaded_sharded(pending)
+    replica = whole_copy(pending)
+    whole = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert not loaded_sharded(replica) and not loaded_sharded(whole)
+    assert replica is not pending and pending_checkpoint(pending) == str(tmp_path)  # the original stays pending
+    expected = whole.state_dict()
+    got = replica.state_dict()
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert not any(p.requires_grad for p in replica.parameters())
+    with pytest.raises(ValueError, match="not built by load_sharded"):
+        whole_copy(whole)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_state_sums_from_the_checkpoint_equal_the_whole_models(tmp_path, tied):
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_llama(str(tmp_path), tied=tied, seed=4)
+    whole = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    expected = [(k, tuple(v.shape), v.double().sum().item()) for k, v in whole.state_dict().items()]
+    assert sorted(state_sums(empty_model(str(tmp_path)))) == sorted(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("zero3", marks=pytest.mark.optional_backend)])
+def test_trainers_given_a_path_load_sharded_and_train_as_a_whole_load(backend, tmp_path):
+    if backend == "zero3":
+        pytest.importorskip("deepspeed")
+    from tests.conftest import build_char_tokenizer
+    from tests.distributed.sharded_load_trainers import save_tiny_llama as save_for_trainers
+
+    save_for_trainers(str(tmp_path / "model"), build_char_tokenizer())
+    env = {k: v for k, v in _env().items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{backend}_cpu.yaml",
+           "--main_process_port", str(_free_port()), "-m", "tests.distributed.sharded_load_trainers",
+           str(tmp_path / "model"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    label = "fsdp2" if backend == "fsdp2" else "deepspeed ZeRO-3"
+    marker = "FSDP2" if backend == "fsdp2" else "ZeRO-3"
+    for algo, roles in (("grpo", 2), ("dpo", 2)):  # GRPO: actor + its reference copy; DPO: actor + reference path
+        r = result[algo]
+        assert r["sharded"]["backend"] == r["whole"]["backend"] == label
+        assert r["sharded"]["losses"] == r["whole"]["losses"] and len(r["whole"]["losses"]) == (2 if algo == "grpo" else 1)
+        assert r["same_names"] and r["weight_diff"] == 0.0, r["weight_diff"]
+        assert r["trained"] > 1e-3  # the runs did move the weights
+        assert r["whole"]["lines"] == [[], []]  # a model object is used as given: nothing read from files
+        for lines in r["sharded"]["lines"]:  # per rank: every role read sharded, about half of the elements
+            loads = [line for line in lines if line.startswith(f"sharded load ({marker})")]
+            assert len(loads) == roles, lines
+            for line in loads:
+                read, total = (int(x) for x in line.split("(")[-1].split(" parameter")[0].split(" of "))
+                assert 0.45 < read / total < 0.55, line
+            assert any(line.startswith("generation replica") for line in lines) == (algo == "grpo")
+    assert result["dpo"]["sharded"]["digest"] == result["dpo"]["whole"]["digest"]

@@ -16,13 +16,17 @@ holds another rank's bytes and no collective runs. (`safetensors.safe_open` memo
 and the mapped pages a rank touches count in its resident memory until the file is closed.)
 
 A model built for FSDP2 carries its checkpoint (:data:`CHECKPOINT_ATTR`) until the engine fills it;
-a copy of it (the trainers' frozen reference) carries it too and is filled from the same files by its
-own engine. Entry point: :func:`load_sharded`; :func:`sharded_load_applies` says when a launch takes
-this path (FSDP2 or ZeRO-3 over 2 or more data-parallel shards).
+a copy of it carries it too and is filled from the same files by its own engine. Entry point:
+:func:`load_sharded`; :func:`sharded_load_applies` says when a launch takes this path (FSDP2 or ZeRO-3
+over 2 or more data-parallel shards). For the trainers' roles (`trainers/engine_glue.load_for_launch`):
+:func:`reference_copy` (a frozen role, itself loaded sharded), :func:`whole_copy` (the generation replica,
+read whole), :func:`loaded_sharded` (a model no rank holds whole: not to be moved) and :func:`state_sums`
+(weight sums read from the checkpoint).
 """
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import logging
@@ -38,6 +42,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_ATTR = "hf_verl_pending_checkpoint"
+SOURCE_ATTR = "hf_verl_loaded_from"  # (checkpoint directory, dtype) of a model load_sharded built; stays after filling
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -249,6 +254,7 @@ def empty_model(model_id: str, *, auto_class=None, dtype: torch.dtype = torch.fl
         model = _auto_class(auto_class).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # no_init_weights skips it; from_pretrained ties after loading
     setattr(model, CHECKPOINT_ATTR, directory)
+    setattr(model, SOURCE_ATTR, (directory, dtype))
     return _finish(model, directory)
 
 
@@ -337,6 +343,15 @@ def load_fsdp_shards(model: nn.Module, device: torch.device | str = "cpu") -> No
     directory = pending_checkpoint(model)
     if directory is None:
         raise ValueError("load_fsdp_shards: the model has no pending checkpoint (build it with empty_model()).")
+    local, total = _fill_pending(model, directory, device)
+    logger.info("sharded load (FSDP2): %s read, this rank's rows only (%d of %d parameter elements)", directory,
+                local, total)
+
+
+@torch.no_grad()
+def _fill_pending(model: nn.Module, directory: str, device: torch.device | str) -> tuple[int, int]:
+    """Allocate a pending model's parameters on `device` and read, for each one, the rows this rank holds (all of
+    them for a parameter that is not a DTensor). Returns (elements read, elements of the whole model)."""
     checkpoint = SafetensorsCheckpoint(directory)
     buffers = {name: buf for name, buf in model.named_buffers() if not buf.is_meta}
     model.to_empty(device=device)
@@ -348,6 +363,7 @@ def load_fsdp_shards(model: nn.Module, device: torch.device | str = "cpu") -> No
             buf.copy_(buffers[name])
     missing: list[str] = []
     used: set[str] = set(name for name, _ in model.named_buffers())
+    read = total = 0
     for names, param in _unique_parameters(model):
         name = _checkpoint_name(names, checkpoint, missing)
         if name is None:
@@ -357,9 +373,11 @@ def load_fsdp_shards(model: nn.Module, device: torch.device | str = "cpu") -> No
         local, start, stop = _local_rows(param)
         if stop > start:
             _fill(local, checkpoint, name, start, stop, rows=True)
+        read += local.numel()
+        total += param.numel()
     _report(missing, used, checkpoint, model)
     setattr(model, CHECKPOINT_ATTR, None)
-    logger.info("sharded load (FSDP2): %s read, this rank's rows only", directory)
+    return read, total
 
 
 @torch.no_grad()
@@ -375,6 +393,7 @@ def load_zero3_partitions(model: nn.Module, directory: str) -> None:
     checkpoint = SafetensorsCheckpoint(directory)
     missing: list[str] = []
     used: set[str] = set()
+    read = total = 0
     for names, param in _unique_parameters(model):
         if not hasattr(param, "ds_tensor"):
             raise ValueError(f"{names[0]} is not ZeRO-3 partitioned: build the model under deepspeed.zero.Init.")
@@ -391,12 +410,14 @@ def load_zero3_partitions(model: nn.Module, directory: str) -> None:
         flat = part.view(-1)
         _fill(flat[: stop - start], checkpoint, name, start, stop, rows=False)
         flat[stop - start:].zero_()
+        read, total = read + (stop - start), total + param.ds_numel
     for name, buf in model.named_buffers():
         if name in checkpoint:
             used.add(name)
             buf.copy_(checkpoint.read_flat(name, 0, buf.numel()).view(buf.shape))
     _report(missing, used, checkpoint, model)
-    logger.info("sharded load (ZeRO-3): %s read, this rank's partitions only", directory)
+    logger.info("sharded load (ZeRO-3): %s read, this rank's partitions only (%d of %d parameter elements)",
+                directory, read, total)
 
 
 def zero3_model(model_id: str, ds_config: dict, *, auto_class=None, dtype: torch.dtype = torch.float32,
@@ -415,6 +436,7 @@ def zero3_model(model_id: str, ds_config: dict, *, auto_class=None, dtype: torch
         model = _auto_class(auto_class).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # no_init_weights skips it; from_pretrained ties after loading
     load_zero3_partitions(model, directory)
+    setattr(model, SOURCE_ATTR, (directory, dtype))
     return _finish(model, directory)
 
 
@@ -451,3 +473,96 @@ def load_sharded(model_id: str, layout: Any, *, auto_class=None, dtype: torch.dt
                               bf16=bf16, fp16=fp16, trainable=False)
     return zero3_model(model_id, config, auto_class=auto_class, dtype=dtype, trust_remote_code=trust_remote_code,
                        **config_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- the trainers' roles
+
+
+def loaded_sharded(model: nn.Module) -> bool:
+    """Whether `model` came from :func:`load_sharded` and no rank holds it whole: its parameters are still on the
+    meta device (FSDP2, filled by its engine) or partitioned by ZeRO-3. Such a model must not be moved
+    (`.to(device)`) or copied with `copy.deepcopy` + weights; its engine places it."""
+    if getattr(model, SOURCE_ATTR, None) is None:
+        return False
+    return any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _rebuild_empty(model: nn.Module) -> nn.Module:
+    """A new model of `model`'s class and config, parameters on the meta device, pending on the same checkpoint."""
+    from accelerate import init_empty_weights
+    from transformers.initialization import no_init_weights
+
+    directory, dtype = getattr(model, SOURCE_ATTR)
+    with init_empty_weights(include_buffers=False), no_init_weights():
+        out = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
+    out.tie_weights()
+    setattr(out, CHECKPOINT_ATTR, directory)
+    setattr(out, SOURCE_ATTR, (directory, dtype))
+    return _finish(out, directory)
+
+
+def whole_copy(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """A whole, frozen (eval, no gradients) copy of a model :func:`load_sharded` built, read from its checkpoint onto
+    `device`: the trainers' generation replica under a sharded actor (generation needs every weight on every rank;
+    weight sync keeps it in step afterwards). This rank reads the whole checkpoint, one tensor at a time.
+
+    Raises:
+        ValueError: `model` was not built by :func:`load_sharded`.
+    """
+    if getattr(model, SOURCE_ATTR, None) is None:
+        raise ValueError("whole_copy: the model was not built by load_sharded; copy it with frozen_copy instead.")
+    out = _rebuild_empty(model)
+    directory = getattr(out, CHECKPOINT_ATTR)
+    _fill_pending(out, directory, device)
+    logger.info("generation replica: %s read whole", directory)
+    return out.requires_grad_(False)
+
+
+def reference_copy(model: nn.Module, layout: Any, *, bf16: bool = False, fp16: bool = False) -> nn.Module:
+    """A frozen copy of a model :func:`load_sharded` built, itself loaded sharded for `layout`: under FSDP2 a
+    pending meta copy its own engine fills, under ZeRO-3 a new `zero.Init` build filled with this rank's
+    partitions. No rank holds it whole.
+
+    Raises:
+        ValueError: `model` was not built by :func:`load_sharded`.
+    """
+    if getattr(model, SOURCE_ATTR, None) is None:
+        raise ValueError("reference_copy: the model was not built by load_sharded; copy it with frozen_copy instead.")
+    if layout.backend.kind == "fsdp2":
+        return _rebuild_empty(model).requires_grad_(False)
+    import deepspeed
+    from transformers.initialization import no_init_weights
+
+    from hf_verl.parallel.deepspeed import deepspeed_config
+
+    directory, dtype = getattr(model, SOURCE_ATTR)
+    config = deepspeed_config(layout.backend, micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=None,
+                              bf16=bf16, fp16=fp16, trainable=False)
+    with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype), no_init_weights():
+        out = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
+    out.tie_weights()
+    load_zero3_partitions(out, directory)
+    setattr(out, SOURCE_ATTR, (directory, dtype))
+    return _finish(out, directory).requires_grad_(False)
+
+
+def state_sums(model: nn.Module) -> list[tuple[str, tuple[int, ...], float]]:
+    """`(name, shape, sum in float64)` of every entry of `model.state_dict()` for a model :func:`load_sharded` built,
+    read from its checkpoint one tensor at a time in the model's dtype: what the same sums over a whole load give
+    (tied weights appear under each of their names, as in `state_dict`)."""
+    directory, _ = getattr(model, SOURCE_ATTR)
+    checkpoint = SafetensorsCheckpoint(directory)
+    names_of = {id(param): names for names, param in _unique_parameters(model)}
+    out = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        shape = tuple(getattr(tensor, "ds_shape", tensor.shape))
+        candidates = names_of.get(id(tensor), [name])
+        found = next((n for n in candidates if n in checkpoint), None)
+        if found is None:
+            if tensor.is_meta or hasattr(tensor, "ds_id"):
+                raise ValueError(f"{name!r} is not in the checkpoint {directory}.")
+            value = tensor.detach()
+        else:
+            value = checkpoint.read_flat(found, 0, math.prod(shape)).view(shape).to(tensor.dtype)
+        out.append((name, shape, float(value.double().sum().item())))
+    return out

@@ -12,6 +12,7 @@ fingerprint and reference weights, after which no reference forward runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -42,11 +43,13 @@ from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.step import ForwardRequest, TokenQuery
 from hf_verl.engine.model_options import router_aux_loss
 from hf_verl.parallel import comm
+from hf_verl.parallel.sharded_load import loaded_sharded, reference_copy, state_sums
 from hf_verl.pipeline.prefetch import frozen_copy
 from hf_verl.trainers.dpo_config import DPOConfig
 from hf_verl.trainers.engine_glue import (
     EngineTrainerMixin,
     launch_layout,
+    load_for_launch,
     load_pretrained,
 )
 from hf_verl.trainers.policy_control import ReferenceMixCallback
@@ -149,11 +152,17 @@ class PairLogProbs(ForwardRequest):
 
 
 def _weights_digest(model) -> str:
+    """A digest of `model`'s weights (names, shapes, sums); for a model loaded sharded, read from its checkpoint
+    (the same digest as the whole load's)."""
+    if loaded_sharded(model):
+        items = state_sums(model)
+    else:
+        items = [(name, tuple(p.shape), p.detach().double().sum().item()) for name, p in model.state_dict().items()]
     h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
+    for name, shape, total in sorted(items):
         h.update(name.encode())
-        h.update(str(tuple(p.shape)).encode())
-        h.update(f"{p.detach().double().sum().item():.10e}".encode())
+        h.update(str(shape).encode())
+        h.update(f"{total:.10e}".encode())
     return h.hexdigest()[:16]
 
 
@@ -189,7 +198,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         if train_dataset is None:
             raise ValueError("`train_dataset` is required: DPOTrainer trains on preference pairs (prompt / chosen / "
                              "rejected rows).")
-        if ref_model is not None and ref_model is model:
+        if ref_model is not None and ref_model is model and not isinstance(model, str):  # one id may name both
             raise ValueError("`model` and `ref_model` must be different objects; pass ref_model=None for a frozen "
                              "copy (or, with peft, the model with adapters disabled).")
         self._check_vision(train_dataset, eval_dataset)
@@ -197,10 +206,13 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         load_kwargs = merge_quantization_config(model, args.model_init_kwargs, quantization_config,
                                                 refuse_model_object=True)
         check_quantized_run(model, load_kwargs, peft_config, args)
+        # by id under FSDP2 / ZeRO-3: loaded sharded, each rank reading its own shards (docs/loading.md); with PEFT,
+        # whole
+        load = load_pretrained if peft_config is not None else functools.partial(load_for_launch, args=args)
         if isinstance(model, str):
-            model = load_pretrained(model, load_kwargs, trust_remote_code=args.trust_remote_code)
+            model = load(model, load_kwargs, trust_remote_code=args.trust_remote_code)
         if isinstance(ref_model, str):
-            ref_model = load_pretrained(ref_model, load_kwargs, trust_remote_code=args.trust_remote_code)
+            ref_model = load(ref_model, load_kwargs, trust_remote_code=args.trust_remote_code)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
                                                              trust_remote_code=args.trust_remote_code)
@@ -230,12 +242,13 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         # the reference: the given model; else the base model (adapters disabled) with PEFT; else, when its
         # log-probs are precomputed, the policy itself before its first step (as TRL: no copy is kept); else a
         # frozen copy of the policy
+        layout = launch_layout(args.world_size, args)
         if ref_model is None and not self.is_peft and not args.precompute_ref_log_probs:
-            ref_model = frozen_copy(model)
+            ref_model = (reference_copy(model, layout, bf16=bool(args.bf16), fp16=bool(args.fp16))
+                         if loaded_sharded(model) else frozen_copy(model))
         elif ref_model is not None:
             ref_model = ref_model.eval().requires_grad_(False)
         self.ref_model = ref_model
-        layout = launch_layout(args.world_size, args)
         backend, dims = layout.backend, layout.dims
         if dims.sp > 1:
             unsupported = [name for name, on in (("use_weighting", args.use_weighting),
@@ -258,7 +271,7 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
                              processing_class.pad_token_id, args.padding_free, args.pad_to_multiple_of),
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
-        if self.ref_model is not None:
+        if self.ref_model is not None and not loaded_sharded(self.ref_model):
             self.ref_model.to(self.accelerator.device)
         self._init_engines(layout)
         self.reference = None if self.ref_model is None else self._make_engine(self.ref_model, "reference",

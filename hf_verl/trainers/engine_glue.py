@@ -10,7 +10,8 @@ model it did not wrap itself, so this mixin overrides the few private methods th
 own shard; the Trainer's defaults save rank 0's state only). Everything else is public API.
 
 Also here, shared by every trainer: loading a model given by id with TRL's defaults
-(:func:`load_pretrained`), and the Hub tags a trainer puts on its model (`_tag_names`, as TRL's
+(:func:`load_pretrained`), or, under a launch that shards parameters (FSDP2 / ZeRO-3 over 2+ processes),
+so that each rank reads only its own shards (:func:`load_for_launch`, see docs/loading.md), and the Hub tags a trainer puts on its model (`_tag_names`, as TRL's
 trainers do; they end up in the model card).
 """
 
@@ -56,6 +57,49 @@ def load_pretrained(model_id: str, model_init_kwargs: dict | None = None, *, tru
                          f"got {dtype!r}.")
     kwargs.setdefault("trust_remote_code", trust_remote_code)
     return (auto_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
+
+
+def load_for_launch(model_id: str, model_init_kwargs: dict | None, args: Any, *, trust_remote_code: bool = False,
+                    auto_class=None, load_whole=None):
+    """A model given by id, loaded for the launch's layout: under FSDP2 or ZeRO-3 over 2 or more data-parallel
+    shards through :func:`~hf_verl.parallel.sharded_load.load_sharded` (no rank holds the whole model; its engine
+    fills or takes it as it is), else :func:`load_pretrained`. `model_init_kwargs` other than `dtype` /
+    `trust_remote_code` (a quantization config, an attention implementation, ...) need `from_pretrained`: the model
+    is then loaded whole, and the log says so. `dtype="auto"` loads sharded in the checkpoint config's dtype.
+    `load_whole` (*optional*, a callable of `model_id`) replaces :func:`load_pretrained` where the model loads whole.
+
+    Raises:
+        ValueError: an unknown `dtype` string.
+    """
+    from hf_verl.parallel.sharded_load import load_sharded, sharded_load_applies
+
+    layout = launch_layout(args.world_size, args)
+    kwargs = dict(model_init_kwargs or {})
+    dtype = kwargs.pop("dtype", "float32")
+    trust_remote_code = kwargs.pop("trust_remote_code", trust_remote_code)
+    def whole():
+        if load_whole is not None:
+            return load_whole(model_id)
+        return load_pretrained(model_id, model_init_kwargs, trust_remote_code=trust_remote_code, auto_class=auto_class)
+
+    if not sharded_load_applies(layout):
+        return whole()
+    if kwargs:
+        logger.info("loading %s whole on every rank (model_init_kwargs %s need from_pretrained; sharded loading takes "
+                    "a dtype only)", model_id, sorted(kwargs))
+        return whole()
+    if dtype is None or dtype == "auto":
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"model_init_kwargs['dtype'] must be a torch.dtype, 'auto' or one of {_DTYPE_NAMES}, "
+                             f"got {dtype!r}.")
+        dtype = getattr(torch, dtype)
+    return load_sharded(model_id, layout, auto_class=auto_class, dtype=dtype, trust_remote_code=trust_remote_code,
+                        bf16=bool(getattr(args, "bf16", False)), fp16=bool(getattr(args, "fp16", False)))
 
 
 def launch_layout(num_processes: int, args: Any) -> RoleLayout:
@@ -234,6 +278,13 @@ class EngineTrainerMixin:
             shared_prefix=getattr(args, "shared_prefix", None), **kwargs)
 
     # ------------------------------------------------------------------ the Trainer's model, optimizer and step
+    def _move_model_to_device(self, model, device) -> None:
+        # a model loaded sharded (meta parameters under FSDP2, ZeRO-3 partitions) is placed by its engine
+        from hf_verl.parallel.sharded_load import loaded_sharded
+
+        if not loaded_sharded(model):
+            super()._move_model_to_device(model, device)
+
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         # transformers.Trainer wraps (DDP / FSDP / DeepSpeed) what this returns unless it is already a
         # wrapper: the engine has laid the model out, so it is handed over as it is

@@ -32,7 +32,7 @@ from hf_verl.pipeline.tool_rollout import ENVIRONMENT_COLUMN, ToolRollout
 from hf_verl.rewards.callables import combine_rewards
 from hf_verl.rewards.reward_model import align_processing_classes
 from hf_verl.rollout.tools import environment_tools
-from hf_verl.trainers.engine_glue import load_pretrained
+from hf_verl.trainers.engine_glue import load_for_launch, load_pretrained
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.on_policy import OnPolicyTrainer
 from hf_verl.trainers.policy_control import EntropyController, ReferenceMixCallback
@@ -114,8 +114,9 @@ class GRPOTrainer(OnPolicyTrainer):
         load_kwargs = merge_quantization_config(model, args.model_init_kwargs, quantization_config,
                                                 refuse_model_object=False)
         check_quantized_run(model, load_kwargs, peft_config, args)
-        if isinstance(model, str):
-            model = load_pretrained(model, load_kwargs, trust_remote_code=args.trust_remote_code)
+        if isinstance(model, str):  # sharded under FSDP2 / ZeRO-3 (docs/loading.md), except with PEFT
+            model = (load_pretrained(model, load_kwargs, trust_remote_code=args.trust_remote_code) if peft_config
+                     else load_for_launch(model, load_kwargs, args, trust_remote_code=args.trust_remote_code))
         funcs = [] if reward_funcs is None else (
             list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
         reward_processing_classes = align_processing_classes(len(funcs), reward_processing_classes)

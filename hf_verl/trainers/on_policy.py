@@ -43,6 +43,7 @@ from hf_verl.parallel import comm
 from hf_verl.pipeline import generation, phases
 from hf_verl.pipeline.orchestrator import END, RoundHost, RoundOrchestrator
 from hf_verl.pipeline.prefetch import frozen_copy
+from hf_verl.parallel.sharded_load import loaded_sharded, reference_copy, whole_copy
 from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.rounds import Collected, RoundCollector, split_generation_kwargs
 from hf_verl.pipeline.tool_rollout import (
@@ -125,18 +126,23 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
         layout = launch_layout(args.world_size, args)
         backend = layout.backend
+        # a model given by id under FSDP2 / ZeRO-3 is loaded sharded (docs/loading.md): its reference is loaded
+        # sharded too, and its generation replica read whole from the checkpoint
+        sharded = loaded_sharded(model)
         if ref_model is None and need_reference and not is_peft:
-            ref_model = frozen_copy(model)  # PEFT: the base model with adapters disabled is the reference
+            # PEFT: the base model with adapters disabled is the reference
+            ref_model = (reference_copy(model, layout, bf16=bool(args.bf16), fp16=bool(args.fp16)) if sharded
+                         else frozen_copy(model))
         self.ref_model = ref_model
         # a sharded actor cannot generate (each rank holds a shard): the engine gets a replica, made
         # before sharding and kept in step by bucketed weight sync
-        replica = frozen_copy(model) if backend.partitions_parameters else None
+        replica = (whole_copy(model) if sharded else frozen_copy(model)) if backend.partitions_parameters else None
         self._check_iterable_datasets(args, train_dataset, eval_dataset)
         super().__init__(model=model, args=args, data_collator=_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers)
         device = self.args.device
-        if self.ref_model is not None:
+        if self.ref_model is not None and not loaded_sharded(self.ref_model):
             self.ref_model = self.ref_model.to(device)
         self._init_engines(layout)
         self.reference = None if self.ref_model is None else self._make_engine(self.ref_model, "reference",

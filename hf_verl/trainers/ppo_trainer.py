@@ -35,6 +35,7 @@ from hf_verl.algorithms.kl import kl_penalty
 from hf_verl.algorithms.policy_loss import masked_mean
 from hf_verl.data.batch import LossInputs, RolloutBatch
 from hf_verl.engine.step import LogProbs, PolicyOutput, Values
+from hf_verl.trainers.engine_glue import load_for_launch
 from hf_verl.parallel import comm
 from hf_verl.pipeline import losses, phases
 from hf_verl.rewards.callables import combine_rewards
@@ -96,8 +97,10 @@ class PPOTrainer(OnPolicyTrainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = PPOConfig(f"{str(name).split('/')[-1]}-PPO")
-        if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model, use_safetensors=True)
+        if isinstance(model, str):  # sharded under FSDP2 / ZeRO-3 (docs/loading.md), except with PEFT
+            whole = lambda path: AutoModelForCausalLM.from_pretrained(path, use_safetensors=True)  # noqa: E731
+            model = whole(model) if peft_config is not None else load_for_launch(model, {"dtype": "auto"}, args,
+                                                                                   load_whole=whole)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         if data_collator is not None:
