@@ -379,6 +379,11 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
         put("gathered parameters and gradients (host heap)", 3 * local * wb, resident=False)
     if work.device == "cpu" and layout.sharding in ("zero1", "zero2"):
         put("ZeRO flattened parameters (host heap)", local * wb)  # the copy made while flattening, kept by the heap
+    if not work.trainable:
+        # a frozen role's forward runs before the trained roles' step (reference / old log-probs), not during it:
+        # its transients are a group of their own, which the step reuses
+        est.transient_groups[f"{role} forward"] = est.transient_groups.pop("step")
+        est.transient_groups["step"] = []
     if work.device == "cpu":
         # the host allocator keeps what a step frees for later reuse, so the step's transients (activations, logits,
         # gradients, the optimizer's temporaries) add up in RSS instead of replacing each other (measured:
