@@ -194,6 +194,19 @@ def test_model_tags_are_trls(tmp_path):
     assert {"trl", "dpo", "hf_verl"} <= set(trainer.model.model_tags)
 
 
+def test_model_card_takes_trls_dataset_name(tmp_path):
+    """`trainer.push_to_hub(dataset_name=...)` (TRL's keyword) reaches create_model_card: the card names the dataset
+    and carries the trainer's tags; naming it twice is refused."""
+    trainer = _trainer(tmp_path, build_char_tokenizer())
+    trainer.create_model_card(model_name="tiny-dpo", dataset_name="trl-lib/ultrafeedback_binarized", tags="mine")
+    card = (tmp_path / "README.md").read_text()
+    assert "trl-lib/ultrafeedback_binarized" in card and "tiny-dpo" in card
+    for tag in ("trl", "dpo", "hf_verl", "mine"):
+        assert f"- {tag}" in card, tag
+    with pytest.raises(ValueError, match="not both"):
+        trainer.create_model_card(dataset_name="a", dataset="b")
+
+
 def test_evaluate_takes_raw_datasets_and_dicts(tmp_path):
     from datasets import DatasetDict, IterableDatasetDict
 

@@ -228,6 +228,28 @@ class EngineTrainerMixin:
         self._layout_logged = True
         return super().train(*args, **kwargs)
 
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
+                          tags: str | list[str] | None = None, **kwargs) -> None:
+        """Write the model card (`README.md` in `output_dir`), taking TRL's arguments as TRL's trainers do.
+
+        `trainer.push_to_hub(dataset_name=...)` passes its keyword arguments here; TRL names the dataset
+        `dataset_name`, transformers `dataset`. Both are accepted; the trainer's Hub tags are always added.
+
+        Args:
+            model_name (`str`, *optional*): the model's name on the card.
+            dataset_name (`str` or `list[str]`, *optional*): the dataset(s) trained on (TRL's name).
+            tags (`str` or `list[str]`, *optional*): tags beside the trainer's own (`_tag_names`).
+            kwargs: the rest of `transformers.Trainer.create_model_card`'s arguments (`language`, `license`, ...).
+        """
+        if dataset_name is not None:
+            if kwargs.get("dataset") is not None:
+                raise ValueError("create_model_card: pass the dataset as dataset_name (TRL) or dataset (transformers), "
+                                 "not both.")
+            kwargs["dataset"] = dataset_name
+        extra = [tags] if isinstance(tags, str) else list(tags or [])
+        merged = list(dict.fromkeys([*self._tag_names, *extra]))
+        return super().create_model_card(model_name=model_name, tags=merged or None, **kwargs)
+
     def _init_engines(self, layout: RoleLayout | None = None) -> None:
         if layout is None:
             layout = launch_layout(self.accelerator.num_processes, self.args)
