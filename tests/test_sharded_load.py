@@ -267,3 +267,64 @@ def test_trainers_given_a_path_load_sharded_and_train_as_a_whole_load(backend, t
                 assert 0.45 < read / total < 0.55, line
             assert any(line.startswith("generation replica") for line in lines) == (algo == "grpo")
     assert result["dpo"]["sharded"]["digest"] == result["dpo"]["whole"]["digest"]
+
+
+def test_facade_role_loads_for_its_layout(llama_dir, caplog):
+    """LazyModel.get(layout=...): sharded (pending, not moved) where sharded loading applies, from_pretrained
+    otherwise; a value head the causal-LM checkpoint lacks loads whole (from_pretrained initialises it)."""
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_verl.facade.roles import LazyModel, vocab_size
+
+    sharded = LazyModel("actor", str(llama_dir), "causal_lm").get(layout=_layout("fsdp2"))
+    assert loaded_sharded(sharded) and pending_checkpoint(sharded) == str(llama_dir)
+    assert all(p.dtype == torch.float32 for p in sharded.parameters())  # dtype "auto": the config's
+    whole = AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    assert vocab_size(sharded) == vocab_size(whole)
+    for layout in (None, _layout("ddp"), _layout("fsdp2", world=1)):
+        model = LazyModel("reference", str(llama_dir), "causal_lm").get(layout=layout)
+        assert not loaded_sharded(model)
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), whole.state_dict().values()))
+    explicit = LazyModel("actor", whole, "causal_lm")
+    assert explicit.get(layout=_layout("fsdp2")) is whole  # an object is used as given
+    with caplog.at_level(logging.INFO, logger="hf_verl.facade.roles"):
+        critic = LazyModel("critic", str(llama_dir), "value").get(layout=_layout("fsdp2"))
+    assert not loaded_sharded(critic) and critic.score.weight.shape[0] == 1
+    assert "whole on every rank: its checkpoint has no weights for ['score.weight']" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("zero3", marks=pytest.mark.optional_backend)])
+def test_facade_given_paths_loads_sharded_and_trains_as_a_whole_load(backend, tmp_path):
+    if backend == "zero3":
+        pytest.importorskip("deepspeed")
+    from tests.conftest import build_char_tokenizer
+    from tests.distributed.sharded_load_facade import save_models
+
+    save_models(str(tmp_path / "models"), build_char_tokenizer())
+    env = {k: v for k, v in _env().items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/accelerate/{backend}_cpu.yaml",
+           "--main_process_port", str(_free_port()), "-m", "tests.distributed.sharded_load_facade",
+           str(tmp_path / "models"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    label = "fsdp2" if backend == "fsdp2" else "deepspeed ZeRO-3"
+    marker = "FSDP2" if backend == "fsdp2" else "ZeRO-3"
+    assert result["sharded"]["backends"] == result["whole"]["backends"] == dict.fromkeys(
+        ("actor", "reference", "critic"), label)
+    assert result["sharded"]["losses"] == result["whole"]["losses"] and len(result["whole"]["losses"]) == 2
+    for role in ("actor", "critic"):
+        assert result[f"{role}_same_names"] and result[f"{role}_weight_diff"] == 0.0, result[f"{role}_weight_diff"]
+        assert result[f"{role}_trained"] > 1e-3  # the runs did move the weights
+    assert result["whole"]["lines"] == [[], []]  # model objects are used as given: nothing read from files
+    for lines in result["sharded"]["lines"]:  # per rank: actor, reference and critic read sharded, about half each
+        loads = [line for line in lines if line.startswith(f"sharded load ({marker})")]
+        assert len(loads) == 3, lines
+        for line in loads:
+            read, total = (int(x) for x in line.split("(")[-1].split(" parameter")[0].split(" of "))
+            assert 0.45 < read / total < 0.55, line
+        assert sum(line.startswith("generation replica") for line in lines) == 1, lines

@@ -61,6 +61,7 @@ from hf_verl.pipeline import generation, losses, phases
 from hf_verl.pipeline.cross_tokenizer import CrossTokenizer, same_tokenizer
 from hf_verl.pipeline.orchestrator import END, Round, RoundHost, RoundOrchestrator
 from hf_verl.pipeline.prefetch import frozen_copy
+from hf_verl.parallel.sharded_load import loaded_sharded, whole_copy
 from hf_verl.pipeline.rounds import Collected, RoundCollector
 from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.tool_rollout import ToolRollout, tool_frequencies, tool_metrics
@@ -284,7 +285,7 @@ class Trainer:
     @property
     def model(self) -> torch.nn.Module:
         """The actor model (loaded on first access)."""
-        return self.actor.get()
+        return self._role_model("actor")
 
     @property
     def tokenizer(self):
@@ -298,7 +299,7 @@ class Trainer:
                     raise ValueError("the actor was given as an object without a Hub id: pass tokenizer=.")
                 from transformers import AutoTokenizer
 
-                self.actor.get()  # fails first, naming the role, when the id cannot be resolved
+                self._role_model("actor")  # fails first, naming the role, when the id cannot be resolved
                 self._tokenizer = AutoTokenizer.from_pretrained(source)
             ensure_pad_token(self._tokenizer)
         return self._tokenizer
@@ -349,22 +350,37 @@ class Trainer:
         """The run's [`ParallelDims`] (data-parallel rank and size, groups)."""
         return self._launch_layout()[0].dims
 
+    def _role_layout(self, name: str):
+        """The [`RoleLayout`] role `name` runs on: the launch's, or its own placement's over the launch's processes."""
+        layout, _ = self._launch_layout()
+        choice = self._placement.get(name, COLOCATED)
+        if choice != COLOCATED and layout.dims.world_size > 1:  # its own layout over the launch's processes
+            layout = replace(layout.with_backend(BACKENDS[choice]), colocated=False)
+        return layout
+
+    def _role_model(self, name: str) -> torch.nn.Module:
+        """Role `name`'s model; loaded for its layout under a multi-process launch (sharded where that applies)."""
+        role = {"actor": self.actor, "critic": self.critic, "reference": self.reference}[name]
+        if role.loaded or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return role.get()
+        return role.get(layout=self._role_layout(name))
+
     def _role_engine(self, name: str) -> TrainingEngine | None:
         """The training engine of role `name` ("actor", "critic", "reference"), made on first use."""
         role = {"actor": self.actor, "critic": self.critic, "reference": self.reference}[name]
         if role is None:
             return None
         if name not in self._engines:
-            layout, accelerator = self._launch_layout()
-            choice = self._placement.get(name, COLOCATED)
-            if choice != COLOCATED and layout.dims.world_size > 1:  # its own layout over the launch's processes
-                layout = replace(layout.with_backend(BACKENDS[choice]), colocated=False)
-            model = role.get()
+            _, accelerator = self._launch_layout()
+            layout = self._role_layout(name)
+            model = role.get(layout=layout)  # an id or path loads sharded under FSDP2 / ZeRO-3 over 2+ shards
             if name == "actor" and layout.backend.partitions_parameters and self._engine is None:
-                # a sharded actor cannot generate: the default engine gets a replica, made before sharding
+                # a sharded actor cannot generate: the default engine gets a replica, made before sharding (read whole
+                # from the checkpoint when the actor was loaded sharded)
                 from hf_verl.rollout.hf_engine import TransformersEngine
 
-                self._engine = TransformersEngine(frozen_copy(model), self.tokenizer)
+                replica = whole_copy(model, accelerator.device) if loaded_sharded(model) else frozen_copy(model)
+                self._engine = TransformersEngine(replica, self.tokenizer)
             rows = self.config.rollout_batch_size * self.config.num_generations
             engine = make_engine(
                 model, name, layout, accelerator=accelerator, trainable=name != "reference",
