@@ -8,6 +8,8 @@ gathered; the reference's logits too), and every parameter is really sharded (ea
 The trainers' string path (`tests/distributed/sharded_load_trainers.py`, launched with the shipped FSDP2 / ZeRO-3
 CPU configs): GRPO (2 steps) and DPO (1 step, actor and reference from the path) give the losses and final weights
 of the same runs given the model loaded whole, and each rank read about half of every role's weights.
+The facade's string roles (`tests/distributed/sharded_load_facade.py`, same configs): actor, KL reference and critic
+given as paths train 2 steps exactly as the same run given the models loaded whole, each role read sharded.
 """
 
 import json
