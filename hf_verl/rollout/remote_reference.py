@@ -20,18 +20,16 @@ log-prob per token of every row, a :class:`ReferenceServerError` names the role 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import numbers
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from hf_verl._http import post_json
 
 logger = logging.getLogger(__name__)
 
@@ -184,34 +182,7 @@ class RemoteReference:
             return [row for part in pool.map(send, chunks) for row in part]
 
     def _post(self, body: dict) -> Any:
-        data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
-                    raw = resp.read()
-            except urllib.error.HTTPError as err:
-                detail = err.read()[:300].decode(errors="replace")
-                if err.code != 429 and err.code < 500:
-                    raise ReferenceServerError(f"{self.role} at {self.url} refused the request: HTTP {err.code} "
-                                               f"{detail}") from None
-                last = f"HTTP {err.code} {detail}"
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
-                last = f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-            else:
-                try:
-                    return json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise ReferenceServerError(f"{self.role} at {self.url} answered garbage (not JSON): "
-                                               f"{raw[:200]!r}") from None
-            logger.warning("%s at %s: attempt %d of %d failed (%s)", self.role, self.url, attempt + 1,
-                           self.max_retries + 1, last)
-        raise ReferenceServerError(f"{self.role} at {self.url} is unreachable after {self.max_retries + 1} attempts "
-                                   f"(timeout {self.timeout_s} s each): {last}. Start the server (`hf-verl serve "
-                                   "<reference model>`) or fix the URL.")
+        return post_json(self.url, body, who=f"{self.role} at {self.url}", error=ReferenceServerError,
+                         token=self._token, timeout_s=self.timeout_s, max_retries=self.max_retries,
+                         backoff_s=self.backoff_s,
+                         hint="Start the server (`hf-verl serve <reference model>`) or fix the URL.")

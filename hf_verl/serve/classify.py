@@ -28,6 +28,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from hf_verl.serve.errors import ServeError, install_error_handlers
+from hf_verl.serve.host import UvicornHost
 from hf_verl.serve.responses import json_response
 from hf_verl.serve.schema import ClassifyRequest
 
@@ -45,7 +46,7 @@ def activation(logits: torch.Tensor) -> torch.Tensor:
     return logits.sigmoid() if logits.shape[-1] == 1 else logits.softmax(dim=-1)
 
 
-class ClassifyServer:
+class ClassifyServer(UvicornHost):
     """Serve a sequence-classification model on vLLM's `/classify` route (see the module docstring).
 
     Args:
@@ -67,7 +68,6 @@ class ClassifyServer:
                  served_model_names: list[str] | None = None, max_prompts: int = 1024, batch_size: int = 32,
                  max_request_bytes: int = 64 * 2**20) -> None:
         from hf_verl.serve.auth import is_loopback
-        from hf_verl.serve.server import _bind
 
         if not is_loopback(host):
             raise ValueError(f"refusing to serve a reward model on non-loopback host {host!r}: serve on 127.0.0.1 "
@@ -82,49 +82,17 @@ class ClassifyServer:
             tokenizer.pad_token = tokenizer.eos_token
         model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
         self.lock = threading.Lock()  # one forward at a time; a fast tokenizer is not thread-safe either
-        self._socket = _bind(host, port)
-        self._thread: threading.Thread | None = None
-        self._uvicorn = self._make_uvicorn()
+        self._listen(host, port)
 
-    def _make_uvicorn(self):
-        import uvicorn
+    _thread_name = "hf-verl-serve-classify"
+    _what = "classification server"
 
-        config = uvicorn.Config(build_classify_app(self), lifespan="off", log_config=None, access_log=False,
-                                server_header=False, timeout_graceful_shutdown=5)
-        return uvicorn.Server(config)
+    def _build_app(self):
+        return build_classify_app(self)
 
-    @property
-    def address(self) -> str:
-        host, port = self._socket.getsockname()[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-    def start(self) -> ClassifyServer:
-        """Serve in a background thread; returns once the server accepts requests."""
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
-                                        name="hf-verl-serve-classify", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._uvicorn.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the classification server on {self.address} did not start (see the log above)")
-            time.sleep(0.01)
-        return self
-
-    def serve_forever(self) -> None:
-        """Serve in this thread until interrupted."""
-        logger.info("hf-verl classification server on %s (model %s, %d label(s); POST %s/classify)", self.address,
-                    self.model_name, self.model.config.num_labels, self.address)
-        try:
-            self._uvicorn.run(sockets=[self._socket])
-        finally:
-            self._socket.close()
-
-    def shutdown(self) -> None:
-        """Stop serving and release the port (safe to call twice)."""
-        self._uvicorn.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self._socket.close()
+    def _banner(self) -> str:
+        return (f"hf-verl classification server on {self.address} (model {self.model_name}, "
+                f"{self.model.config.num_labels} label(s); POST {self.address}/classify)")
 
     # ------------------------------------------------------------------ scoring
     def classify(self, body: ClassifyRequest | dict) -> dict:

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +39,7 @@ from hf_verl.rollout.base import RolloutEngine, SamplingParams
 from hf_verl.serve.auth import TOKEN_ENV, is_loopback, read_token  # noqa: F401 (the public names of this module)
 from hf_verl.serve.batching import RequestBatcher
 from hf_verl.serve.errors import ServeError, describe_validation_error
+from hf_verl.serve.host import UvicornHost
 from hf_verl.serve.responses import Answer, usage
 from hf_verl.serve.schema import (
     ChatCompletionRequest,
@@ -51,20 +50,6 @@ from hf_verl.serve.streaming import steppable, stepped_deltas, whole_deltas
 from hf_verl.serve.weights import WeightReceiver
 
 logger = logging.getLogger(__name__)
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket on (host, port); port 0 picks a free one."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port} ({err}); pick another --port or stop what holds it") from None
-    sock.listen(2048)
-    return sock
-
 
 def _validated(model_cls: type[SamplingRequest], body) -> SamplingRequest:
     """`body` as `model_cls` (a dict from a Python caller is validated here; a route hands a model)."""
@@ -79,7 +64,7 @@ def _validated(model_cls: type[SamplingRequest], body) -> SamplingRequest:
         raise ServeError(400, message, field) from None
 
 
-class RolloutServer:
+class RolloutServer(UvicornHost):
     """Serve a :class:`~hf_verl.rollout.base.RolloutEngine` over HTTP (see the module docstring).
 
     Args:
@@ -120,56 +105,23 @@ class RolloutServer:
         self.batcher = RequestBatcher(engine, self.lock, max_batch_rows)
         self.weights_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-verl-serve-weights")
         self._encode_lock = threading.Lock()  # a fast tokenizer must not be encoding in two threads at once
-        self._socket = _bind(host, port)
-        self._thread: threading.Thread | None = None
-        self._uvicorn = self._make_uvicorn()
+        self._listen(host, port)
 
-    def _make_uvicorn(self):
-        import uvicorn
+    _what = "rollout server"
 
+    def _build_app(self):
         from hf_verl.serve.app import build_app
 
-        config = uvicorn.Config(build_app(self), lifespan="off", log_config=None, access_log=False,
-                                server_header=False, timeout_graceful_shutdown=5)
-        return uvicorn.Server(config)
+        return build_app(self)
 
-    @property
-    def address(self) -> str:
-        host, port = self._socket.getsockname()[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-    def start(self) -> RolloutServer:
-        """Serve in a background thread (tests, notebooks); returns once the server accepts requests."""
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._socket]},
-                                        name="hf-verl-serve", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._uvicorn.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the rollout server on {self.address} did not start (see the log above)")
-            time.sleep(0.01)
-        return self
-
-    def serve_forever(self) -> None:
-        """Serve in this thread until interrupted (SIGINT / SIGTERM)."""
-        logger.info("hf-verl rollout server on %s (model %s, weight version %d; API page %s/docs)", self.address,
-                    self.model_name, self.engine.weight_version, self.address)
-        try:
-            self._uvicorn.run(sockets=[self._socket])
-        finally:
-            self._release()
-
-    def shutdown(self) -> None:
-        """Stop serving and release the port (safe to call twice)."""
-        self._uvicorn.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        self._release()
+    def _banner(self) -> str:
+        return (f"hf-verl rollout server on {self.address} (model {self.model_name}, weight version "
+                f"{self.engine.weight_version}; API page {self.address}/docs)")
 
     def _release(self) -> None:
         self.batcher.close()
         self.weights_pool.shutdown(wait=False, cancel_futures=True)
-        self._socket.close()
+        super()._release()
 
     # ------------------------------------------------------------------ generation
     def completions(self, body: CompletionRequest | dict) -> dict:
