@@ -79,7 +79,7 @@ def child(a: argparse.Namespace) -> None:
         dims = ParallelDims.data_parallel(world, rank, shard=False)
         layout = RoleLayout(BackendSpec("ddp" if world > 1 else "plain"), dims)
     else:
-        from hf_verl.parallel.megatron.engine import MEGATRON_BACKEND
+        from hf_verl.parallel.megatron.launch import MEGATRON_BACKEND
 
         dims = ParallelDims.data_parallel(world, rank, shard=False, tp=megatron[0], pp=megatron[1])
         layout = RoleLayout(MEGATRON_BACKEND, dims, engine="megatron")

@@ -74,7 +74,7 @@ def _layout(kind: str, world: int, rank: int, ckpt: bool = False, rows: int = 1)
         return ParallelDims.data_parallel(world, rank, shard=shard, **axes)
 
     if kind in ("tp2", "pp2"):
-        from hf_verl.parallel.megatron.engine import MEGATRON_BACKEND
+        from hf_verl.parallel.megatron.launch import MEGATRON_BACKEND
 
         tp, pp = (2, 1) if kind == "tp2" else (1, 2)
         return (RoleLayout(MEGATRON_BACKEND, dp(False, tp=tp, pp=pp), engine="megatron"),

@@ -70,7 +70,7 @@ def parallelism_report() -> dict[str, Availability]:
         where if ds_err is None else f"deepspeed does not import ({ds_err}): `pip install hf_verl[deepspeed]`")
     report["sequence"] = Availability(
         ok, f"Ulysses sequence parallelism (sequence_parallel_size) over {where}" if ok else where)
-    mc_err = _import_error("megatron.core") or _import_error("hf_verl.parallel.megatron.engine")
+    mc_err = _import_error("megatron.core") or _import_error("hf_verl.engine.megatron_engine")
     for name, setting in (("tensor", "tensor_model_parallel_size"), ("pipeline", "pipeline_model_parallel_size")):
         if mc_err is not None:
             report[name] = Availability(False, f"megatron-core does not import ({mc_err}): "

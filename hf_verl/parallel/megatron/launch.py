@@ -18,6 +18,8 @@ import torch.distributed as dist
 from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims, _world_and_rank
 
+MEGATRON_BACKEND = BackendSpec("megatron", source="backend='megatron' (Megatron-Core tensor / pipeline parallelism)")
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,7 +42,6 @@ def ensure_process_group() -> None:
 
 def megatron_layout(num_processes: int, tp: int, pp: int, sp: int = 1) -> tuple[ParallelDims, BackendSpec]:
     """`(dims, backend)` of a Megatron launch of `num_processes` processes at `tp x pp` (the rest data-parallel)."""
-    from hf_verl.parallel.megatron.engine import MEGATRON_BACKEND
 
     if sp > 1:
         raise ValueError("sequence_parallel_size > 1 (Ulysses) does not combine with backend='megatron'; use "

@@ -54,10 +54,10 @@ from hf_verl.engine.step import (
     StepResult,
     Values,
 )
-from hf_verl.parallel.backend import BackendSpec
 from hf_verl.parallel.dims import ParallelDims
 from hf_verl.parallel.megatron.bridge import Bridge, Mapping, ShardContext, VocabColumn
 from hf_verl.parallel.megatron.compat import cpu_compat
+from hf_verl.parallel.megatron.launch import MEGATRON_BACKEND
 from hf_verl.parallel.megatron.families import table_for
 from hf_verl.parallel.megatron.model import (
     architecture,
@@ -70,7 +70,6 @@ from hf_verl.parallel.megatron.vocab import token_stats
 
 logger = logging.getLogger(__name__)
 
-MEGATRON_BACKEND = BackendSpec("megatron", source="backend='megatron' (Megatron-Core tensor / pipeline parallelism)")
 
 
 def init_parallel_state(dims: ParallelDims, seed: int) -> None:
