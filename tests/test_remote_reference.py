@@ -12,7 +12,7 @@ import torch
 
 from hf_verl.engine.step import LogProbs
 from hf_verl.rollout.hf_engine import TransformersEngine
-from hf_verl.rollout.remote_reference import (
+from hf_verl.engine.remote_reference import (
     ReferenceServerError,
     RemoteReference,
     completions_endpoint,

@@ -6,7 +6,7 @@
   `"fsdp2"`, `"zero1"`, `"zero2"`, `"zero3"`): its own layout over the launch's processes (on one process
   `"ddp"` is the plain layout; Megatron is chosen for the whole launch, with `backend="megatron"`); or the URL of
   a server that serves it (`hf-verl serve`, `vllm serve`), read through `/v1/completions` prompt log-probs
-  (:class:`~hf_verl.rollout.remote_reference.RemoteReference`; then no `reference_model=`, and
+  (:class:`~hf_verl.engine.remote_reference.RemoteReference`; then no `reference_model=`, and
   `reference_tokenizer=` when the served model has another tokenizer than the actor's);
 - `"critic"`: the same choices (e.g. an FSDP2 critic beside a DDP actor);
 - `"generator"`: `"colocated"` (default: a `TransformersEngine` on the actor's weights) or the URL of any

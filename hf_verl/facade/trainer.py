@@ -146,7 +146,7 @@ class Trainer:
                                                                         **place)
         self._remote_reference = None  # a reference served behind a URL (placement["reference"])
         if is_url(self._placement["reference"]):
-            from hf_verl.rollout.remote_reference import RemoteReference
+            from hf_verl.engine.remote_reference import RemoteReference
 
             self._remote_reference = RemoteReference(self._placement["reference"])
         for role in self._model_roles():

@@ -6,7 +6,7 @@ vLLM's completions request scores a prompt two ways, and this server takes both:
   generated ones, `token_logprobs[0]` being `null` (the first token is not conditioned on anything), and its
   `text` is the prompt's text followed by the completion's. `max_tokens: 0` (allowed only with `echo`) generates
   nothing: the prompt is only scored, which is how a reference model behind a URL is read
-  (:class:`~hf_verl.rollout.remote_reference.RemoteReference`);
+  (:class:`~hf_verl.engine.remote_reference.RemoteReference`);
 - `prompt_logprobs: K` (vLLM's field): the choice carries `prompt_logprobs`, `[null, {"<token id>": {"logprob",
   "rank", "decoded_token"}, ...}, ...]`: per prompt position the prompt token's own entry plus the `K` most
   likely tokens (`rank` 1 is the most likely).
