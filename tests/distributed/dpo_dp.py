@@ -8,8 +8,6 @@ import json
 import os
 import sys
 
-import torch
-from datasets import Dataset
 
 from hf_verl.trainers.dpo_config import DPOConfig
 from hf_verl.trainers.dpo_trainer import DPOTrainer

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import json
 import os
 import shutil
 import textwrap
