@@ -150,12 +150,10 @@ def _megatron_engine(model: Any, *, role: str, layout: RoleLayout, **options: An
 
 
 def _megatron_installed() -> bool:
-    import importlib.util
+    """megatron-core on the path, found without importing anything of megatron (its import prints notices)."""
+    from hf_verl.parallel.capabilities import megatron_core_found
 
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:
-        return False
+    return megatron_core_found()
 
 
 if _megatron_installed():

@@ -2,7 +2,13 @@
 
 Each entry is checked for real: the backend is imported (not just found on the path), the machine's
 devices are counted, and what hf_verl has not built yet says so. :func:`parallelism_report` gives a
-reason for every entry; :func:`supported_parallelisms` lists the available ones.
+reason for every entry; :func:`supported_parallelisms` lists the available ones (or, with `reasons=True`, the
+report's reasons: the one body behind the facade's and the trainers' `supported_parallelisms()`).
+
+One exception keeps a run that does not use Megatron free of megatron-core: importing `megatron.core` prints
+Transformer Engine / Apex notices in every process and takes seconds, so the list (`reasons=False`) finds it on
+the path without importing anything of it (:func:`megatron_core_found`) unless a Megatron run already imported
+it; `reasons=True` and :func:`parallelism_report` import it for real and report its import error.
 
 | name | what | needs |
 |---|---|---|
@@ -17,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import sys
 from dataclasses import dataclass
 
 PARALLELISMS = ("data", "fsdp", "zero", "sequence", "tensor", "pipeline")
@@ -53,9 +61,42 @@ def _devices() -> tuple[bool, str]:
     return True, "CPU processes over gloo"
 
 
-@functools.lru_cache(maxsize=1)
+def megatron_core_found() -> bool:
+    """Whether `megatron.core` is installed, looked up on the path without importing anything of megatron (not
+    even its top-level package, which `importlib.util.find_spec("megatron.core")` would import): importing it
+    prints Transformer Engine / Apex notices in every process of a run that may never use it."""
+    if "megatron.core" in sys.modules:
+        return True
+    try:
+        top = importlib.util.find_spec("megatron")  # a top-level lookup imports nothing
+    except (ImportError, ValueError):
+        return False
+    locations = None if top is None else top.submodule_search_locations
+    if not locations:
+        return False
+    for finder in sys.meta_path:  # what importlib does for a submodule, minus importing the parent package
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is not None and find_spec("megatron.core", list(locations)) is not None:
+            return True
+    return False
+
+
+def _megatron_error(import_it: bool) -> str | None:
+    """Why the Megatron engine cannot run here, or None: imported for real when `import_it` or already imported by
+    a Megatron run, else found on the path only (:func:`megatron_core_found`)."""
+    if import_it or "megatron.core" in sys.modules:
+        return _import_error("megatron.core") or _import_error("hf_verl.engine.megatron_engine")
+    return None if megatron_core_found() else "ModuleNotFoundError: No module named 'megatron.core'"
+
+
 def parallelism_report() -> dict[str, Availability]:
-    """Every parallelism of :data:`PARALLELISMS` with whether it can run now and the reason."""
+    """Every parallelism of :data:`PARALLELISMS` with whether it can run now and the reason (megatron-core
+    imported for real)."""
+    return _report(True)
+
+
+@functools.lru_cache(maxsize=2)
+def _report(import_megatron: bool) -> dict[str, Availability]:
     ok, where = _devices()
     report = {"data": Availability(ok, where)}
     fsdp_err = _import_error("torch.distributed.fsdp")
@@ -70,7 +111,7 @@ def parallelism_report() -> dict[str, Availability]:
         where if ds_err is None else f"deepspeed does not import ({ds_err}): `pip install hf_verl[deepspeed]`")
     report["sequence"] = Availability(
         ok, f"Ulysses sequence parallelism (sequence_parallel_size) over {where}" if ok else where)
-    mc_err = _import_error("megatron.core") or _import_error("hf_verl.engine.megatron_engine")
+    mc_err = _megatron_error(import_megatron)
     for name, setting in (("tensor", "tensor_model_parallel_size"), ("pipeline", "pipeline_model_parallel_size")):
         if mc_err is not None:
             report[name] = Availability(False, f"megatron-core does not import ({mc_err}): "
@@ -81,6 +122,16 @@ def parallelism_report() -> dict[str, Availability]:
     return report
 
 
-def supported_parallelisms() -> list[str]:
-    """The parallelisms that can run now (see :func:`parallelism_report` for why the others cannot)."""
-    return [name for name, a in parallelism_report().items() if a.available]
+def supported_parallelisms(reasons: bool = False) -> list[str] | dict[str, str]:
+    """The parallelisms this installation and machine can run now: "data" (DDP), "fsdp" (FSDP2), "zero"
+    (DeepSpeed), "sequence", "tensor", "pipeline"; what the facade's and the trainers'
+    `supported_parallelisms(reasons=...)` answer.
+
+    Args:
+        reasons (`bool`): return `{name: reason}` for every parallelism instead (:func:`parallelism_report`), the
+            reason saying what it runs on or why it cannot run (missing backend, too few devices). Without it,
+            megatron-core is found on the path, not imported (:func:`megatron_core_found`).
+    """
+    if reasons:
+        return {name: a.reason for name, a in parallelism_report().items()}
+    return [name for name, a in _report(False).items() if a.available]
