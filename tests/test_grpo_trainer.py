@@ -618,3 +618,20 @@ def test_liger_with_an_lm_head_adapter_is_refused_and_modules_to_save_is_not(tmp
         with pytest.raises(ImportError, match="use_liger_kernel=True needs liger-kernel"):
             GRPOTrainer(model=_model(tok), peft_config=LoraConfig(r=4, target_modules=["q_proj"],
                                                                   modules_to_save=["lm_head"]), **kw)
+
+
+def test_the_trainers_answer_supported_parallelisms_from_the_facades_checks(tmp_path):
+    """docs/megatron.md's `trainer.supported_parallelisms()` on a GRPOTrainer (EngineTrainerMixin, the base of the
+    three trainers): the same list and reasons as hf_verl.parallel.capabilities, which the facade answers too."""
+    from hf_verl.parallel.capabilities import PARALLELISMS, parallelism_report, supported_parallelisms
+
+    tok = build_char_tokenizer()
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path, max_steps=1),
+                          train_dataset=Dataset.from_dict({"prompt": ["abc"] * 8}), processing_class=tok)
+    assert trainer.supported_parallelisms() == supported_parallelisms()
+    reasons = trainer.supported_parallelisms(reasons=True)
+    assert list(reasons) == list(PARALLELISMS)  # a reason for every parallelism, in the report's order
+    assert reasons == {name: a.reason for name, a in parallelism_report().items()}
+    assert all(isinstance(r, str) and r for r in reasons.values())
+    if not torch.cuda.is_available():
+        assert "data" in trainer.supported_parallelisms() and reasons["data"] == "CPU processes over gloo"

@@ -228,6 +228,19 @@ class EngineTrainerMixin:
         self._layout_logged = True
         return super().train(*args, **kwargs)
 
+    def supported_parallelisms(self, reasons: bool = False) -> list[str] | dict[str, str]:
+        """The parallelisms this installation and machine can run now: "data" (DDP), "fsdp" (FSDP2),
+        "zero" (DeepSpeed), "sequence", "tensor", "pipeline"; the facade's answer, from the same checks
+        (:func:`hf_verl.parallel.capabilities.supported_parallelisms`).
+
+        Args:
+            reasons (`bool`): return `{name: reason}` for every parallelism instead, the reason saying
+                what it runs on or why it cannot run (missing backend, too few devices).
+        """
+        from hf_verl.parallel.capabilities import supported_parallelisms
+
+        return supported_parallelisms(reasons)
+
     def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
                           tags: str | list[str] | None = None, **kwargs) -> None:
         """Write the model card (`README.md` in `output_dir`), taking TRL's arguments as TRL's trainers do.
