@@ -27,12 +27,51 @@ def test_default_placement_is_everything_colocated_one_line_per_role(caplog):
         lines = trainer.placement()
     roles = [line.split(": backend=")[0] for line in lines]
     assert roles == ["actor", "reference", "reward[count_a]", "reward[127.0.0.1:9]", "generator"]
-    assert lines[0] == "actor: backend=plain where=rank 0 (colocated) layout=one process memory=n/a"
+    assert lines[0].startswith("actor: backend=plain where=rank 0 (colocated) layout=one process memory=")
     assert lines[1].startswith("reference: backend=plain where=rank 0 (colocated) ")
     assert lines[2] == "reward[count_a]: backend=callable where=rank 0 layout=python memory=n/a"
     assert "where=http://127.0.0.1:9/v1/classify layout=remote" in lines[3]
     assert lines[4].startswith("generator: backend=TransformersEngine where=rank 0 layout=colocated")
     assert sum("placement: " in r.getMessage() for r in caplog.records) == len(lines)
+
+
+def test_memory_estimate_is_the_planners_estimate_of_the_role_on_its_layout():
+    """memory_estimate asks the planner for the role alone (trained actor, frozen reference) on the role's layout
+    with the facade's config, and says why where it cannot estimate; it used to pass the layout as the config and
+    swallow the TypeError, so every line said n/a."""
+    from hf_verl.facade.placement import memory_estimate
+    from hf_verl.parallel import estimate_memory
+
+    tok = build_char_tokenizer()
+    trainer = _trainer(reference_model=tiny_llama(tok, seed=2))
+    peaks = {}
+    for role in ("actor", "reference"):
+        engine, layout = trainer._role_engine(role), trainer._role_layout(role)
+        est = estimate_memory(engine.model, trainer.config, layout, device=layout.dims.device_type, role=role)
+        peaks[role] = est.peak_bytes
+        assert memory_estimate(engine, layout, trainer.config, role) == f"{est.peak_bytes / 2**30:.2f} GiB"
+        assert memory_estimate(engine.model, layout, trainer.config, role) == f"{est.peak_bytes / 2**30:.2f} GiB"
+    assert peaks["reference"] < peaks["actor"]  # frozen: no gradients, no optimizer states
+    layout = trainer._role_layout("actor")
+    assert memory_estimate(trainer.model, layout) == "n/a (no trainer config to size the step)"
+    assert memory_estimate(None, layout, trainer.config) == "n/a (no local model)"
+    assert memory_estimate(torch.nn.Linear(2, 2), layout, trainer.config).startswith("n/a (a Linear, not a transformers")
+    with pytest.raises(ValueError, match="role must be one of"):
+        memory_estimate(trainer.model, layout, trainer.config, "value")
+
+
+@pytest.mark.xfail(strict=True, reason="facade/trainer.py's placement() still calls memory_estimate(model, layout) "
+                   "without the config: pass `memory_estimate(engine, self._role_layout(name), self.config, name)`, "
+                   "then drop this marker")
+def test_placement_shows_the_planners_memory_estimate_for_the_actor():
+    from hf_verl.parallel import estimate_memory
+
+    trainer = _trainer()
+    line = trainer.placement()[0]
+    layout = trainer._role_layout("actor")
+    est = estimate_memory(trainer.model, trainer.config, layout, device=layout.dims.device_type, role="actor")
+    assert line == ("actor: backend=plain where=rank 0 (colocated) layout=one process "
+                    f"memory={est.peak_bytes / 2**30:.2f} GiB")
 
 
 def test_a_generator_url_becomes_a_remote_engine():

@@ -150,6 +150,39 @@ def test_estimate_memory_reads_a_trainer_config(tmp_path):
         estimate_memory("7b", object())
 
 
+def test_estimate_memory_of_one_role_is_that_roles_share_of_the_run(tmp_path):
+    """role=: one role alone (what the facade's placement() line shows); the run's estimate is their sum."""
+    from hf_verl import PPOConfig
+    from hf_verl.parallel import estimate_memory
+
+    args = PPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=4)
+    layout = Layout(micro_batch_size=4)
+    roles = {r: estimate_memory(_tiny_llama(), args, layout, device="cpu", role=r)
+             for r in ("actor", "reference", "critic")}
+    for role, est in roles.items():
+        assert {k.split(" ", 1)[0] for k in est.components} == {role, "runtime"}, role
+    assert "reference optimizer states" not in roles["reference"].components  # frozen
+    assert "critic optimizer states" in roles["critic"].components and "critic logits" in roles["critic"].components
+    assert roles["critic"].components["critic logits"] == 0  # a value head scores no vocabulary
+    run = estimate_memory(_tiny_llama(), args, layout, device="cpu")  # PPO: actor + reference + critic
+    assert run.peak_bytes == (roles["actor"] + roles["reference"] + roles["critic"]).peak_bytes
+    with pytest.raises(ValueError, match="role must be one of"):
+        estimate_memory(_tiny_llama(), args, layout, role="value")
+
+
+def test_a_zero3_partitioned_model_counts_its_whole_parameters():
+    """Under ZeRO-3 every rank's parameters are empty (DeepSpeed keeps the count in `ds_numel`): the planner counts
+    the whole model, as for the same model unpartitioned."""
+    import torch
+
+    model = _tiny_llama()
+    whole = resolve_architecture(model).params
+    for p in model.parameters():
+        p.ds_numel = p.numel()
+        p.data = torch.empty(0)
+    assert resolve_architecture(model).params == whole > 0
+
+
 # ------------------------------------------------------------------ limits
 def test_layout_limits_heads_kv_heads_layers():
     arch = Architecture(hidden=768, layers=6, heads=12, kv_heads=4, intermediate=2048, vocab=32000)

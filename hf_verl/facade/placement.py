@@ -15,8 +15,8 @@
   (:class:`~hf_verl.rewards.remote.RemoteRewardModel`).
 
 A declaration that cannot run fails in :func:`check_placement`, at construction, naming the role and what to
-change. :func:`memory_estimate` asks the planner (`hf_verl.parallel.estimate_memory`) when it is installed, else
-answers "n/a".
+change. :func:`memory_estimate` is the planner's per-device estimate of a model role
+(`hf_verl.parallel.estimate_memory(model, config, layout, role=...)`).
 """
 
 from __future__ import annotations
@@ -108,20 +108,41 @@ def _server(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}".lower()
 
 
-def memory_estimate(model: Any, layout: Any) -> str:
-    """The planner's per-device memory estimate of `model` on `layout`, or "n/a" while the planner is not
-    installed (or cannot estimate this role)."""
+def memory_estimate(model: Any, layout: Any, config: Any = None, role: str = "actor") -> str:
+    """The planner's per-device memory estimate of one model role on its layout, as `"0.45 GiB"`:
+    `hf_verl.parallel.estimate_memory(model, config, layout, role=role).peak_bytes` (the role's weights, gradients
+    and optimizer states as `layout` splits them, the step's activations and logits for `config`'s rows and lengths,
+    the process's own baseline), on the layout's device type. "n/a (why)" where the role cannot be estimated.
+
+    Args:
+        model: the role's model (`nn.Module`, `PeftModel`), or its training engine (a Megatron engine's model is a
+            Megatron stage: its HF config is estimated instead).
+        layout ([`RoleLayout`]): where the role runs (its backend and `ParallelDims`).
+        config: the facade's `TrainerConfig` (or a GRPO / PPO / DPO config): what one step holds.
+        role (`str`): "actor" or "critic" (trained: gradients and optimizer states) or "reference" (frozen).
+    """
+    from transformers import PretrainedConfig
+
+    from hf_verl.parallel import estimate_memory
+    from hf_verl.parallel.planner.architectures import resolve_architecture
+
+    if config is None:
+        return "n/a (no trainer config to size the step)"
+    if model is not None and hasattr(model, "backend") and hasattr(model, "model"):  # a training engine
+        engine, model = model, model.model
+        if not isinstance(getattr(model, "config", None), PretrainedConfig):  # a Megatron stage
+            model = getattr(engine, "config", None)
+    if model is None:
+        return "n/a (no local model)"
+    if not isinstance(getattr(model, "config", model), PretrainedConfig):
+        return f"n/a (a {type(model).__name__}, not a transformers model: pass its engine or its config)"
     try:
-        from hf_verl.parallel import estimate_memory  # the planner's hook (hf_verl/parallel/planner/)
-    except ImportError:
-        return "n/a"
-    try:
-        estimate = estimate_memory(model, layout)
-    except (TypeError, ValueError, NotImplementedError):
-        return "n/a"
-    if isinstance(estimate, (int, float)):
-        return f"{estimate / 2**30:.2f} GiB"
-    return str(estimate)
+        resolve_architecture(model)
+    except ValueError as err:  # a model without a decoder's shape fields
+        return f"n/a (the planner cannot read its shape: {err})"
+    device = getattr(getattr(layout, "dims", None), "device_type", None)
+    estimate = estimate_memory(model, config, layout, device=device, role=role)
+    return f"{estimate.peak_bytes / 2**30:.2f} GiB"
 
 
 def placement_line(role: str, backend: str, where: str, layout: str, memory: str) -> str:

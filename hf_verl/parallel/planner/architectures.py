@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["Architecture", "REFERENCE_ARCHITECTURES", "resolve_architecture", "parse_size"]
+__all__ = ["Architecture", "REFERENCE_ARCHITECTURES", "resolve_architecture", "parse_size", "whole_numel"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,12 @@ def from_config(config: Any, source: str = "", num_params: int | None = None) ->
                         num_params=num_params)
 
 
+def whole_numel(p: Any) -> int:
+    """A parameter's whole element count: a ZeRO-3 partitioned parameter is empty on every rank (`ds_numel` keeps
+    its count); FSDP2's DTensor and a meta parameter count as a whole one already."""
+    return int(getattr(p, "ds_numel", None) or p.numel())
+
+
 def resolve_architecture(model: Any) -> Architecture:
     """An :class:`Architecture` from a module, a config, a Hub id / local path (its config only, never the
     weights, offline: the local Hub cache) or a size string / parameter count.
@@ -154,7 +160,7 @@ def resolve_architecture(model: Any) -> Architecture:
     if isinstance(model, Architecture):
         return model
     if hasattr(model, "parameters") and hasattr(model, "config"):
-        count = sum(p.numel() for p in model.parameters())
+        count = sum(whole_numel(p) for p in model.parameters())
         base = getattr(model, "base_model", model)
         config = getattr(getattr(base, "model", base), "config", model.config)
         return from_config(config, source=f"the given {type(model).__name__} ({count / 1e6:.1f}M parameters)",

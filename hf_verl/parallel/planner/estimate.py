@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hf_verl.parallel.planner.architectures import resolve_architecture
+from hf_verl.parallel.planner.architectures import resolve_architecture, whole_numel
 from hf_verl.parallel.planner.memory import Layout, MemoryEstimate, Workload, memory_breakdown
 
 __all__ = ["estimate_memory", "layout_from_launch", "workload_from_args"]
@@ -110,7 +110,11 @@ def _to_layout(layout: Any, args: Any, rows: int, ckpt: bool) -> Layout:
     return _from_spec(spec, dims.world_size, dims.tp, dims.pp, dims.sp, spec.kind == "megatron", rows, ckpt)
 
 
-def estimate_memory(model: Any, args: Any, layout: Any = None, *, device: str | None = None) -> MemoryEstimate:
+ROLES = ("actor", "reference", "critic")
+
+
+def estimate_memory(model: Any, args: Any, layout: Any = None, *, device: str | None = None,
+                    role: str | None = None) -> MemoryEstimate:
     """Per-rank bytes of a run, with the breakdown by role and term.
 
     Args:
@@ -120,13 +124,17 @@ def estimate_memory(model: Any, args: Any, layout: Any = None, *, device: str | 
         layout: a planner [`Layout`], a [`RoleLayout`] or [`ParallelDims`]; default: the current launch.
         device (`str`, *optional*): "cpu" (host RSS) or "cuda" (device memory); default: "cuda" where a GPU is
             visible.
+        role (`str`, *optional*): one role alone, `model` being that role's model: "actor" (trained, with the
+            rollout engine's own weights where the config implies them), "reference" (frozen) or "critic" (trained,
+            a value head); what the facade's `placement()` reports per role. Default: every role the config
+            implies, colocated on `layout` (the run's per-rank peak).
 
     Returns:
         [`MemoryEstimate`]: `peak_bytes`, `components` (`"actor weights"`, `"reference weights"`, ...), `table()`.
 
     Raises:
         `TypeError` / `ValueError`: an unknown args type, a model whose shape cannot be read, a layout that does not
-        divide the launch.
+        divide the launch, an unknown role.
 
     Example:
         ```python
@@ -136,6 +144,8 @@ def estimate_memory(model: Any, args: Any, layout: Any = None, *, device: str | 
         print(est.peak_bytes / 2**30, est.table())
         ```
     """
+    if role is not None and role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES} or None (every role of the run), got {role!r}.")
     arch = resolve_architecture(model)
     w = workload_from_args(args)
     lay = _to_layout(layout, args, w["rows"], w["checkpointing"])
@@ -146,20 +156,27 @@ def estimate_memory(model: Any, args: Any, layout: Any = None, *, device: str | 
     fraction = 1.0
     if hasattr(model, "parameters") and hasattr(model, "peft_config"):
         params = list(model.parameters())
-        fraction = sum(p.numel() for p in params if p.requires_grad) / max(1, sum(p.numel() for p in params))
+        fraction = sum(whole_numel(p) for p in params if p.requires_grad) / max(1, sum(whole_numel(p) for p in params))
     low = w["bf16"] and device != "cpu"
     wb = 2 if (low and (lay.megatron or lay.sharding.startswith("zero"))) else 4
     partitioned = lay.megatron or lay.sharding in ("zero3", "fsdp2")
     rollout_bytes = (2 if low else 4) if (w["vllm_colocate"] or (partitioned and "DPO" not in type(args).__name__)) else 0
     common = dict(seq_len=w["seq_len"], scored_len=w["scored_len"], compute_bytes=2 if low else 4,
                   logprob_chunk=w["chunk"], device=device, grad_accumulation=w["grad_accumulation"])
-    est = memory_breakdown(arch, lay, Workload(weight_bytes=wb, optimizer=w["optimizer"], trainable_fraction=fraction,
-                                               rollout_weight_bytes=rollout_bytes, **common), role="actor")
     frozen = Layout(**{**lay.__dict__, "activation_checkpointing": False})
-    if w["reference"]:
-        est = est + memory_breakdown(arch, frozen, Workload(trainable=False, weight_bytes=2 if low else 4, **common),
-                                     role="reference")
-    if w["critic"]:
-        est = est + memory_breakdown(arch, lay, Workload(weight_bytes=wb, optimizer=w["optimizer"], value_head=True,
-                                                         **common), role="critic")
+    parts = {
+        "actor": lambda: memory_breakdown(arch, lay, Workload(
+            weight_bytes=wb, optimizer=w["optimizer"], trainable_fraction=fraction, rollout_weight_bytes=rollout_bytes,
+            **common), role="actor"),
+        "reference": lambda: memory_breakdown(arch, frozen, Workload(trainable=False, weight_bytes=2 if low else 4,
+                                                                     **common), role="reference"),
+        "critic": lambda: memory_breakdown(arch, lay, Workload(weight_bytes=wb, optimizer=w["optimizer"],
+                                                               value_head=True, **common), role="critic"),
+    }
+    if role is not None:
+        return parts[role]()
+    est = parts["actor"]()
+    for name in ("reference", "critic"):
+        if w[name]:
+            est = est + parts[name]()
     return est
