@@ -282,7 +282,17 @@ class EngineTrainerMixin:
         """`dataloader` (prepared by accelerate over every process) dealt over the data-parallel ranks instead: the
         ranks of one data-parallel replica (sequence, tensor or pipeline peers) read the same batches. As
         transformers does for its rank-aware batch samplers, the shard wrapper's process count and index are set
-        (here to the data-parallel ones)."""
+        (here to the data-parallel ones).
+
+        The shuffled order is seeded with `data_seed`, else `seed` (what transformers documents, and what a
+        one-process run gets from `Trainer.__init__`'s `set_seed`), not with the global RNG's seed at the time the
+        dataloader is built, which an engine may have changed since (Megatron-Core seeds its model-parallel RNG
+        on start): so every layout reads the same global sequence of rows for the same seed."""
+        from accelerate.data_loader import SeedableRandomSampler, get_sampler
+
+        sampler = get_sampler(dataloader) if hasattr(dataloader, "sampler") else None
+        if isinstance(sampler, SeedableRandomSampler):
+            sampler.initial_seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         if self.dims.replica_size == 1:
             return dataloader
         from accelerate.data_loader import BatchSamplerShard
