@@ -9,10 +9,16 @@ bookkeeping stays that of an ordinary dataloader; the trainer rolls out on the f
 serves the buffered round for the others.
 
 Batches reach processes through accelerate's `BatchSamplerShard` (batch `k` goes to process
-`k % world_size`), so the order below is: for each repeat, the chunk of process 0, then 1, ...
+`k % num_processes`), so the order below is: for each repeat, the chunk of process 0, then 1, ... Under
+sequence, tensor or pipeline parallelism several processes form one data-parallel replica and read the same
+chunk; which chunk each process reads is its data-parallel rank (:func:`process_dp_ranks`), so the global
+sequence of rounds is the same whatever the layout.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -31,10 +37,14 @@ class RepeatGroupSampler(Sampler[int]):
         seed (`int`): base seed.
         copies (`int`): consecutive processes that receive the same chunk (the ranks of one sequence-parallel
             group, which train on the same rows): `world_size` then counts data-parallel ranks.
+        dp_ranks (`Sequence[int]`, *optional*): the data-parallel rank whose chunk each process reads, in process
+            order (:func:`process_dp_ranks`); replaces `copies` where the ranks of one replica are not consecutive
+            (pipeline stages are the outermost axis). Defaults to each of the `world_size` ranks `copies` times.
     """
 
     def __init__(self, num_prompts: int, num_generations: int, chunk_size: int, world_size: int = 1,
-                 repeat: int = 1, shuffle: bool = True, seed: int = 0, copies: int = 1) -> None:
+                 repeat: int = 1, shuffle: bool = True, seed: int = 0, copies: int = 1,
+                 dp_ranks: Sequence[int] | None = None) -> None:
         round_size = chunk_size * world_size
         if round_size % num_generations:
             raise ValueError(
@@ -51,6 +61,12 @@ class RepeatGroupSampler(Sampler[int]):
         self.chunk_size, self.world_size, self.repeat = chunk_size, world_size, repeat
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.copies = copies
+        if dp_ranks is None:
+            dp_ranks = [r for r in range(world_size) for _ in range(copies)]
+        self.dp_ranks = list(dp_ranks)
+        if sorted(self.dp_ranks) != sorted(list(range(world_size)) * (len(self.dp_ranks) // world_size)):
+            raise ValueError(f"dp_ranks={self.dp_ranks} must name each of the {world_size} data-parallel ranks "
+                             "equally often.")
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -71,9 +87,21 @@ class RepeatGroupSampler(Sampler[int]):
             completions = [i for i in prompts for _ in range(self.num_generations)]
             chunks = [completions[p * self.chunk_size : (p + 1) * self.chunk_size] for p in range(self.world_size)]
             for _ in range(self.repeat):
-                for chunk in chunks:
-                    for _ in range(self.copies):
-                        yield from chunk
+                for dp_rank in self.dp_ranks:
+                    yield from chunks[dp_rank]
 
     def __len__(self) -> int:
-        return self.num_rounds * self.repeat * self.world_size * self.chunk_size * self.copies
+        return self.num_rounds * self.repeat * len(self.dp_ranks) * self.chunk_size
+
+    def process_chunk(self, indices: list[int], local_round: int, process: int) -> list[int]:
+        """The chunk `process` reads in round `local_round` of an epoch's index stream `indices` (`list(self)`)."""
+        start = (local_round * self.repeat * len(self.dp_ranks) + process) * self.chunk_size
+        return indices[start : start + self.chunk_size]
+
+
+def process_dp_ranks(dims) -> list[int]:
+    """The data-parallel rank of each process of `dims`' world (a
+    :class:`~hf_verl.parallel.dims.ParallelDims`), in process order: the processes of one replica share it."""
+    if dims.replica_size == 1:  # every process is a data-parallel rank of its own, in rank order
+        return list(range(dims.dp_size))
+    return [dataclasses.replace(dims, rank=p).dp_rank for p in range(dims.world_size)]

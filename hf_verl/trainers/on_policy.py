@@ -36,7 +36,7 @@ from hf_verl.data.prompts import (
     check_prompt_column,
     ensure_pad_token,
 )
-from hf_verl.data.samplers import RepeatGroupSampler
+from hf_verl.data.samplers import RepeatGroupSampler, process_dp_ranks
 from hf_verl.parallel.precision import amp_dtype
 from hf_verl.engine.step import LogProbs, StepResult
 from hf_verl.parallel import comm
@@ -247,7 +247,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             len(train_dataset if train_dataset is not None else self.train_dataset), a.num_generations,
             chunk_size=a.per_device_train_batch_size * a.steps_per_generation, world_size=self.dims.dp_size,
             repeat=a.steps_per_generation * a.num_iterations, shuffle=a.shuffle_dataset, seed=a.seed,
-            copies=self.dims.replica_size,
+            dp_ranks=process_dp_ranks(self.dims),
         )
 
     def get_train_dataloader(self):
@@ -374,10 +374,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         sampler = self._get_train_sampler()
         epoch, local = divmod(g, sampler.num_rounds)
         sampler.set_epoch(epoch)
-        indices = list(sampler)
-        block = sampler.repeat * sampler.world_size * sampler.chunk_size
-        start = local * block + self.dims.dp_rank * sampler.chunk_size
-        return [self.train_dataset[i] for i in indices[start : start + sampler.chunk_size]]
+        return [self.train_dataset[i] for i in sampler.process_chunk(list(sampler), local, self.dims.rank)]
 
     def _finish_round(self, batch: RolloutBatch, rows: list[dict], rewards_per_func: torch.Tensor,
                       timings: dict[str, float]) -> list[RolloutBatch]:
