@@ -179,6 +179,34 @@ def test_a_deepspeed_launch_with_a_broken_deepspeed_names_the_import_error(tmp_p
     assert "ERR" in out.stdout and "no CUDA toolkit" in out.stdout and "hf_verl[deepspeed]" in out.stdout
 
 
+@pytest.mark.slow  # a fresh interpreter: a DeepSpeed TrainingArguments sets process-wide accelerate state
+@pytest.mark.optional_backend
+def test_a_zero3_config_says_how_models_load(tmp_path):
+    """The INFO line of a ZeRO-3 launch says what happens: over 2+ data-parallel ranks a model given by path loads
+    sharded (each rank its own partitions) and an object is partitioned by the engine; on one rank, whole. It used
+    to say "models load whole" beside the sharded loader's own lines."""
+    pytest.importorskip("deepspeed")
+    code = (
+        "import logging, os, sys\n"
+        "os.environ.update(ACCELERATE_USE_DEEPSPEED='true', ACCELERATE_DEEPSPEED_ZERO_STAGE='3')\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='LOG %(name)s: %(message)s')\n"
+        "from hf_verl.trainers.dpo_config import DPOConfig\n"
+        "from hf_verl.trainers.parallel_args import ParallelArguments\n"
+        f"DPOConfig(output_dir={str(tmp_path)!r}, use_cpu=True, report_to=[])\n"
+        "ParallelArguments.data_parallel_size = property(lambda self: 2)  # the line of a 2-rank launch\n"
+        f"DPOConfig(output_dir={str(tmp_path)!r}, use_cpu=True, report_to=[])\n")
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line.split(": ", 1)[1] for line in out.stdout.splitlines()
+             if line.startswith("LOG hf_verl.trainers.parallel_args: DeepSpeed ZeRO-3")]
+    assert lines == [
+        "DeepSpeed ZeRO-3 launch with one data-parallel rank: nothing to partition over, models load whole",
+        "DeepSpeed ZeRO-3 launch: a model given by id or path loads sharded, each rank reading only its own "
+        "partitions (or whole, with a line saying why); a model given as an object is partitioned by hf_verl's engine"]
+    assert "models load whole and hf_verl's engine partitions them" not in out.stdout + out.stderr
+
+
 def test_deepspeed_config_fills_auto_values_and_refuses_its_own_optimizer(tmp_path):
     from hf_verl.parallel.deepspeed import deepspeed_config
 

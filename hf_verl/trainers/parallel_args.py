@@ -5,10 +5,11 @@ The layout itself comes from the `accelerate launch` config (see
 here: `transformers.TrainingArguments`, seeing a DeepSpeed launch, registers a global DeepSpeed
 config with transformers, after which every model built or loaded in the process is created for
 ZeRO-3 (partitioned at birth by `deepspeed.zero.Init`, its weight init run through gathers). hf_verl
-partitions each role itself when it calls `deepspeed.initialize`, and copies the unpartitioned
-policy for the reference and the rollout engine first, so models are to be loaded whole: the
-global registration is removed. (Loading huge models partitioned at birth is therefore not
-available yet; every rank briefly holds the full weights on the CPU.)
+decides per role instead, so the global registration is removed: a model given by id or path is loaded
+sharded by hf_verl's own loader (:func:`~hf_verl.trainers.engine_glue.load_for_launch`:
+:mod:`hf_verl.parallel.sharded_load` builds it under `zero.Init` with the role's DeepSpeed config and each rank
+reads only its own partitions; docs/loading.md), and a model given as an object (or loaded whole, where the log
+says why) is partitioned by the engine when it calls `deepspeed.initialize`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,13 @@ class ParallelArguments:
         from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
         if is_deepspeed_zero3_enabled():
-            logger.info("DeepSpeed ZeRO-3 launch: models load whole and hf_verl's engine partitions them")
+            if self.data_parallel_size >= 2:
+                logger.info("DeepSpeed ZeRO-3 launch: a model given by id or path loads sharded, each rank reading "
+                            "only its own partitions (or whole, with a line saying why); a model given as an object "
+                            "is partitioned by hf_verl's engine")
+            else:
+                logger.info("DeepSpeed ZeRO-3 launch with one data-parallel rank: nothing to partition over, models "
+                            "load whole")
         unset_hf_deepspeed_config()
         plugin = self.deepspeed_plugin
         if hasattr(plugin, "dschf"):
