@@ -94,6 +94,21 @@ def test_what_the_machine_cannot_give_fails_at_once(launch_env):
     assert resolve_backend(2, process_group_ready=True).kind == "fsdp2"
 
 
+def test_a_cpu_launch_without_a_process_group_says_what_to_build(launch_env):
+    """A launch whose config asks for the CPU but whose processes never joined a group (an `Accelerator()` built
+    before hf_verl read the launch): the error no longer asks for the `use_cpu: true` the config already has."""
+    from hf_verl.parallel.backend import join_launch_process_group
+
+    launch_env.setenv("ACCELERATE_USE_FSDP", "true")
+    launch_env.setenv("FSDP_VERSION", "2")
+    launch_env.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(RuntimeError, match=r"with `use_cpu: true`, but they did not join a process group: .*"
+                                           r"Build it as `Accelerator\(cpu=True\)`, or lay the roles out first"):
+        resolve_backend(2, process_group_ready=False)
+    launch_env.delenv("WORLD_SIZE", raising=False)
+    assert not join_launch_process_group()  # a single process has no launch group to join
+
+
 @pytest.fixture
 def restored_environ():
     """os.environ as it was before the test (the launch takeover writes variables of its own)."""

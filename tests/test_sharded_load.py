@@ -330,3 +330,62 @@ def test_facade_given_paths_loads_sharded_and_trains_as_a_whole_load(backend, tm
             read, total = (int(x) for x in line.split("(")[-1].split(" parameter")[0].split(" of "))
             assert 0.45 < read / total < 0.55, line
         assert sum(line.startswith("generation replica") for line in lines) == 1, lines
+
+
+def _by_hand_snippet() -> str:
+    """docs/loading.md's "By hand" code block, as the page has it."""
+    text = (ROOT / "docs" / "loading.md").read_text()
+    start = text.index("By hand, for a role of your own")
+    block = text[text.index("```python\n", start) + len("```python\n"):]
+    return block[:block.index("```")]
+
+
+# what each process reports after the snippet: its layout and how its actor's parameters are held
+_REPORT = """
+import json as _json
+import torch as _torch
+import torch.distributed as _dist
+
+_rank, _world = (_dist.get_rank(), _dist.get_world_size()) if _dist.is_initialized() else (0, 1)
+_params = list(actor.model.parameters())
+_held = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else
+            (p.to_local().numel() if hasattr(p, "to_local") else p.numel()) for p in _params)
+_whole = sum(getattr(p, "ds_numel", None) or p.numel() for p in _params)
+print("SNIPPET " + _json.dumps({"rank": _rank, "world": _world, "backend": layout.backend.label,
+                               "sharded": sharded_load_applies(layout), "share": _held / _whole}), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launch", ["one process", "fsdp2",
+                                    pytest.param("zero3", marks=pytest.mark.optional_backend)])
+def test_the_by_hand_snippet_runs_as_written(launch, tmp_path):
+    """docs/loading.md's "By hand" snippet, read from the page, run as a script: under `accelerate launch` with the
+    shipped CPU configs over 2 processes (nothing formed a process group: launch_role_layout joins it) each rank
+    holds about half of the actor; in one process it loads whole (its `else` branch)."""
+    if launch == "zero3":
+        pytest.importorskip("deepspeed")
+    save_tiny_llama(str(tmp_path / "model"), tied=False, seed=5)
+    snippet = _by_hand_snippet()
+    assert snippet.count('"org/model-or-dir"') == 2  # the page's placeholders, replaced by the tiny model
+    script = tmp_path / "by_hand.py"
+    script.write_text(snippet.replace('"org/model-or-dir"', repr(str(tmp_path / "model"))) + _REPORT)
+    env = {k: v for k, v in _env().items() if k not in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR")}
+    if launch == "one process":
+        cmd = [sys.executable, str(script)]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               f"configs/accelerate/{launch}_cpu.yaml", "--main_process_port", str(_free_port()), str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    reports = sorted((json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+                      if line.startswith("SNIPPET ")), key=lambda r: r["rank"])
+    if launch == "one process":
+        assert reports == [{"rank": 0, "world": 1, "backend": "plain", "sharded": False, "share": 1.0}]
+        return
+    label = "fsdp2" if launch == "fsdp2" else "deepspeed ZeRO-3"
+    assert [(r["rank"], r["world"], r["backend"], r["sharded"]) for r in reports] == [
+        (0, 2, label, True), (1, 2, label, True)]
+    for r in reports:
+        assert 0.45 < r["share"] < 0.55, r  # the 97-row vocabulary splits unevenly: about half each

@@ -13,6 +13,7 @@ name, so that callers never import an implementation: adding a backend is one :f
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -60,16 +61,27 @@ class RoleLayout:
         return replace(self, backend=backend, dims=dims)
 
 
-def launch_role_layout(num_processes: int, *, sequence_parallel_size: int = 1, tensor_parallel_size: int = 1,
-                       pipeline_parallel_size: int = 1, engine: str | None = None) -> RoleLayout:
+def launch_role_layout(num_processes: int | None = None, *, sequence_parallel_size: int = 1,
+                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                       engine: str | None = None) -> RoleLayout:
     """The launch's default layout: its backend (checked against the machine) and the `ParallelDims` of the
     processes it started, with the model-parallel axes given (the processes left are data-parallel ranks).
     `engine="megatron"` lays every role out on Megatron-Core (tensor / pipeline parallel, data-parallel
-    replicas with a distributed optimizer) instead of the launch's DDP / FSDP2 / ZeRO."""
+    replicas with a distributed optimizer) instead of the launch's DDP / FSDP2 / ZeRO.
+
+    `num_processes` is the processes the caller's `Accelerator` sees (default: the launch's `WORLD_SIZE`). Called
+    before anything formed the launch's process group (a script laying roles out by hand, docs/loading.md), it
+    joins it (:func:`~hf_verl.parallel.backend.join_launch_process_group`: gloo on the CPU, adopting an accelerate
+    config's `use_cpu: true`)."""
     import torch.distributed as dist
 
+    from hf_verl.parallel.backend import join_launch_process_group
     from hf_verl.parallel.dims import _world_and_rank
 
+    if num_processes is None:
+        num_processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if num_processes > 1:
+        join_launch_process_group()
     world, _ = _world_and_rank()
     megatron = engine == "megatron"
     if (megatron or tensor_parallel_size > 1 or pipeline_parallel_size > 1) and "megatron" not in ENGINES:

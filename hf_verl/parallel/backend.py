@@ -288,6 +288,40 @@ def adopt_launch_cpu() -> bool:
     return True
 
 
+def join_launch_process_group() -> bool:
+    """Join the process group of the launch that started this process, where nothing (an `Accelerator`, a
+    trainer config, the script) has formed it yet: what a script that lays roles out by hand
+    (:func:`~hf_verl.engine.registry.launch_role_layout` before any `Accelerator`) needs under `accelerate launch`
+    or `torchrun`.
+
+    Only a process of a multi-process launch with a rendezvous set (`WORLD_SIZE` > 1, `MASTER_ADDR`) joins.
+    An accelerate config's `use_cpu: true` is adopted first (:func:`adopt_launch_cpu`); the group is gloo on the
+    CPU (no CUDA device, or `ACCELERATE_USE_CPU`), else NCCL on the device `LOCAL_RANK` names. An accelerate
+    config that does not ask for the CPU, on a machine without CUDA, is not joined: :func:`resolve_backend` then
+    names the field to set, as it does for the trainers.
+
+    Returns:
+        `bool`: whether it formed the group.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or "MASTER_ADDR" not in os.environ:
+        return False
+    adopt_launch_cpu()
+    cuda = torch.cuda.is_available() and not _env_bool("ACCELERATE_USE_CPU")
+    if not cuda and not _env_bool("ACCELERATE_USE_CPU") and launch_config_file() is not None:
+        return False  # a GPU accelerate config on a machine without one
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")  # the launcher's env:// rendezvous
+    logger.info("joined the launch's process group (%s, %d processes)", "nccl" if cuda else "gloo",
+                dist.get_world_size())
+    return True
+
+
 def resolve_backend(world_size: int, process_group_ready: bool) -> BackendSpec:
     """:func:`requested_backend`, checked against what this machine and launch can give.
 
@@ -299,6 +333,14 @@ def resolve_backend(world_size: int, process_group_ready: bool) -> BackendSpec:
         `RuntimeError` / `ImportError`: naming the config field or package to change.
     """
     spec = requested_backend(world_size)
+    if world_size > 1 and not process_group_ready and launch_asks_for_cpu():
+        raise RuntimeError(
+            f"{world_size} processes were launched ({spec.source}) with `use_cpu: true`, but they did not join a "
+            "process group: accelerate's multi-process launcher does not pass `use_cpu` on, so an `Accelerator()` "
+            "built before hf_verl read the launch runs each process alone. Build it as `Accelerator(cpu=True)`, or "
+            "lay the roles out first (`launch_role_layout()` joins the launch's gloo group), or call "
+            "`torch.distributed.init_process_group('gloo')` before. See docs/loading.md."
+        )
     if world_size > 1 and not process_group_ready:
         raise RuntimeError(
             f"{world_size} processes were launched ({spec.source}) but they did not join a process group: "
