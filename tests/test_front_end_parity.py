@@ -37,6 +37,7 @@ def common(tmp_path, rows):
     return dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
                 per_device_train_batch_size=rows, gradient_accumulation_steps=1, learning_rate=1e-3,
                 lr_scheduler_type="constant", save_strategy="no", disable_tqdm=True, seed=11,
+                # unshuffled: the facade is handed the trainer's batches in dataset order (not a layout comparison)
                 gradient_checkpointing=False, per_row_sampling_seed=True, shuffle_dataset=False)
 
 

@@ -1,7 +1,8 @@
 """DPO under data parallelism: run with plain python (1 process, batch 4) or torchrun (2 x 2).
 
 Writes `result<rank>.json` into argv[1]: the logged losses and a checksum of the final weights.
-Sequential sampling makes both layouts see the same global batches, so the results must match.
+The default shuffled sampler (seeded with `seed`) deals the same global batches whatever the layout (the 2 processes'
+batches of 2 are one process's batch of 4), so the results must match.
 """
 
 import json
@@ -19,7 +20,7 @@ def main(out_dir: str, per_device: int, padding_free: bool) -> None:
     tok = build_char_tokenizer()
     args = DPOConfig(output_dir=out_dir, use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
                      per_device_train_batch_size=per_device, learning_rate=1e-2, gradient_checkpointing=False,
-                     save_strategy="no", disable_tqdm=True, train_sampling_strategy="sequential",
+                     save_strategy="no", disable_tqdm=True,
                      padding_free=padding_free, seed=0)
     trainer = DPOTrainer(model=_model(tok), args=args, train_dataset=_data(), processing_class=tok)
     trainer.train()
