@@ -20,7 +20,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from hf_verl.data.samplers import RepeatGroupSampler, process_dp_ranks
+from hf_verl.data.samplers import RepeatGroupSampler, ReplicaDeal, process_dp_ranks
 from hf_verl.parallel.dims import ParallelDims
 from tests.conftest import build_char_tokenizer
 
@@ -205,6 +205,35 @@ def test_on_policy_every_layout_reads_one_process_rounds(tmp_path, monkeypatch, 
     assert _rounds(_layout_steps(make, layout, monkeypatch), repeat) == want
 
 
+@pytest.mark.parametrize("layout", ["ddp", "tp2", "pp2", "pp2_dp2"])
+def test_grpo_on_a_stream_every_layout_reads_one_process_rounds(tmp_path, monkeypatch, layout):
+    """An iterable (streaming) train_dataset has no sampler: the stream is laid out in rounds and accelerate deals
+    it to the processes. Before, at TP=2 / PP=2 the two ranks of the replica read alternate rounds (rank 0 rounds
+    0, 2, 4, rank 1 rounds 1, 3, 5), and the replica trained on rank 0's: every other round was skipped."""
+    from hf_verl import GRPOTrainer
+    from tests.test_grpo_trainer import _args, _model, count_a
+
+    tok = build_char_tokenizer()
+    prompts = [f"{chr(97 + i)}{chr(98 + i)}" for i in range(12)]
+
+    def steps(name):
+        world, _ = LAYOUTS[name]
+        dp_size = _dims(name, 0).dp_size
+        by_dp = {}
+        for rank in range(world):
+            args = _args(tmp_path, per_device_train_batch_size=8 // dp_size, steps_per_generation=2, seed=3)
+            trainer = GRPOTrainer(model=_model(tok), reward_funcs=count_a, processing_class=tok, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}).to_iterable_dataset())
+            dims = _dims(name, rank)
+            _as_process(monkeypatch, trainer, dims)
+            batches = [[row["prompt"] for row in batch] for batch in trainer.get_train_dataloader()]
+            assert by_dp.setdefault(dims.dp_rank, batches) == batches, f"rank {rank} reads other rows than its replica"
+        return [[p for d in range(dp_size) for p in by_dp[d][s]] for s in range(len(by_dp[0]))]
+
+    want = _rounds(steps("one"), 2)
+    assert len(want) == 3 and sorted(p for r in want for p in r) == sorted(p for p in prompts for _ in range(4))
+    assert _rounds(steps(layout), 2) == want
+
 @pytest.mark.parametrize("layout", ["one", "ddp", "tp2", "sp2", "pp2_dp2"])
 def test_round_rows_are_the_rows_the_dataloader_gives_this_rank(tmp_path, monkeypatch, layout):
     """`_round_rows(g)` (asynchronous rollout reads round g + 1 ahead) is this rank's chunk of round g as its
@@ -238,6 +267,13 @@ def test_sampler_deals_each_process_its_replicas_chunk():
         0, 0, 1, 1]
     with pytest.raises(ValueError, match="must name each of the 2 data-parallel ranks equally often"):
         RepeatGroupSampler(num_prompts=4, num_generations=2, chunk_size=2, world_size=2, dp_ranks=[0, 0, 1])
+
+
+def test_replica_deal_gives_each_process_its_replicas_chunk():
+    # blocks of dp_size=2 chunks of 2 (dp rank 0's, then 1's); PP=2 x DP=2 processes are dp ranks 0, 1, 0, 1
+    stream = ReplicaDeal(range(9), chunk_size=2, dp_ranks=[0, 1, 0, 1])
+    assert list(stream) == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]  # the partial block (8) is dropped
+    assert list(ReplicaDeal(range(4), chunk_size=2, dp_ranks=[0, 0])) == [0, 1, 0, 1, 2, 3, 2, 3]
 
 
 def test_process_dp_ranks_agree_with_each_ranks_own_dims():

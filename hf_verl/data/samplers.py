@@ -18,7 +18,8 @@ sequence of rounds is the same whatever the layout.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch.utils.data import Sampler
@@ -105,3 +106,25 @@ def process_dp_ranks(dims) -> list[int]:
     if dims.replica_size == 1:  # every process is a data-parallel rank of its own, in rank order
         return list(range(dims.dp_size))
     return [dataclasses.replace(dims, rank=p).dp_rank for p in range(dims.world_size)]
+
+
+class ReplicaDeal(torch.utils.data.IterableDataset):
+    """A stream laid out as :class:`RepeatGroupSampler` lays out indices for one process per data-parallel rank
+    (blocks of `dp_size` chunks of `chunk_size` items, in data-parallel rank order), dealt to every process:
+    accelerate's `IterableDatasetShard` hands process `p` the `p`-th `chunk_size` items of each `num_processes x
+    chunk_size`, so each block becomes, for each process in order, the chunk of its data-parallel rank
+    (`dp_ranks`, :func:`process_dp_ranks`). The ranks of one replica (sequence, tensor or pipeline peers) then read
+    the same chunk, and no round is skipped. A trailing partial block is dropped."""
+
+    def __init__(self, source: Iterable, chunk_size: int, dp_ranks: Sequence[int]) -> None:
+        self.source, self.chunk_size, self.dp_ranks = source, chunk_size, list(dp_ranks)
+
+    def set_epoch(self, epoch: int) -> None:
+        if callable(getattr(self.source, "set_epoch", None)):
+            self.source.set_epoch(epoch)
+
+    def __iter__(self):
+        rows, size, dp_size = iter(self.source), self.chunk_size, len(set(self.dp_ranks))
+        while len(block := list(itertools.islice(rows, dp_size * size))) == dp_size * size:
+            for dp_rank in self.dp_ranks:
+                yield from block[dp_rank * size : (dp_rank + 1) * size]

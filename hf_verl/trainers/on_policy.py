@@ -36,7 +36,7 @@ from hf_verl.data.prompts import (
     check_prompt_column,
     ensure_pad_token,
 )
-from hf_verl.data.samplers import RepeatGroupSampler, process_dp_ranks
+from hf_verl.data.samplers import RepeatGroupSampler, ReplicaDeal, process_dp_ranks
 from hf_verl.parallel.precision import amp_dtype
 from hf_verl.engine.step import LogProbs, StepResult
 from hf_verl.parallel import comm
@@ -264,6 +264,9 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                 dataset = dataset.shuffle(seed=a.seed)  # a buffered shuffle, reseeded each epoch
             dataset = _GroupRounds(dataset, a.num_generations, a.per_device_train_batch_size * a.steps_per_generation,
                                    self.dims.dp_size, a.steps_per_generation * a.num_iterations)
+            if self.dims.replica_size > 1:  # accelerate deals every process a chunk: each its replica's
+                dataset = ReplicaDeal(dataset, a.per_device_train_batch_size * a.steps_per_generation,
+                                      process_dp_ranks(self.dims))
         return self._get_dataloader(
             dataset=dataset, description="Training",
             batch_size=self.args.per_device_train_batch_size * self.args.steps_per_generation,
