@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_verl.algorithms.advantages import SCALE_REWARDS
-from hf_verl.algorithms.estimators import CRITIC_FREE_ESTIMATORS
 from hf_verl.algorithms.importance import IS_MODES
 from hf_verl.algorithms.kl import KL_ESTIMATORS
 from hf_verl.algorithms.policy_loss import LOSS_TYPES, VERL_AGGREGATIONS
-from hf_verl.algorithms.policy_losses import IS_LEVELS, resolve_policy_loss
+from hf_verl.algorithms.policy_losses import IS_LEVELS
+from hf_verl.algorithms.registry import advantage_estimator_names, resolve_policy_loss
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,10 @@ def _known_policy_loss(name: str) -> bool:
     return True
 
 
-# the critic-free estimators the facade runs (ReMax's greedy baseline and the optimal-token baselines' sampling
-# statistics are the trainers' only)
-CRITIC_FREE_CHOICES = tuple(e for e in CRITIC_FREE_ESTIMATORS if e != "remax" and "optimal_token_baseline" not in e)
-_ESTIMATORS = ("auto", "gae", *CRITIC_FREE_CHOICES)
+def _known_estimator(name: str) -> bool:
+    """'auto' (the facade's: GAE with a critic, else GRPO) or a registered estimator, read at check time so that
+    one a user registered before building the config is accepted."""
+    return name == "auto" or name in advantage_estimator_names()
 
 # The names and defaults are those of the TRL-style configs (GRPOConfig for what GRPO has, PPOConfig
 # for the critic's knobs): one vocabulary and one default per concept across the library.
@@ -111,8 +111,11 @@ SETTINGS: dict[str, Setting] = {
     "max_tool_calling_iterations": Setting(None, (int, _NONE), lambda v: v is None or v >= 0, "None or an int >= 0",
                                          "With tools: most tool-calling rounds per completion; None: no limit but "
                                          "max_completion_length, which bounds the whole multi-turn completion."),
-    "advantage_estimator": Setting("auto", (str,), lambda v: v in _ESTIMATORS, f"one of {_ESTIMATORS}",
-                                 "Advantage estimator: 'auto' is 'gae' with a critic and 'grpo' without.", trainers=False),
+    "advantage_estimator": Setting("auto", (str,), _known_estimator,
+                                   "'auto' or a registered estimator (hf_verl.algorithms.advantage_estimator_names(): "
+                                   "gae, grpo, rloo, ..., or one registered with register_advantage_estimator)",
+                                   "Advantage estimator: 'auto' is 'gae' with a critic and 'grpo' without.",
+                                   trainers=False),
     "scale_rewards": Setting("group", (str,), lambda v: v in SCALE_REWARDS, f"one of {SCALE_REWARDS}",
                            "GRPO: divide by the group's reward std ('group'), the batch's, or not at all."),
     "gamma": Setting(1.0, (float,), _unit, "a float in [0, 1]", "Discount factor (GAE, REINFORCE++)."),

@@ -49,7 +49,7 @@ def test_bad_configs_say_what_to_change(tmp_path, kw, match):
 def test_colocated_vllm_length_comes_from_the_model_or_fails_naming_the_field():
     from types import SimpleNamespace
 
-    from hf_verl.trainers.vllm_args import colocate_max_model_len
+    from hf_verl.rollout.vllm_engine import colocate_max_model_len
 
     model = SimpleNamespace(max_position_embeddings=256)
     args = SimpleNamespace(vllm_max_model_length=None, max_prompt_length=64)

@@ -112,11 +112,11 @@ def test_grpo_trains_with_tools(tmp_path):
     # the loss ignores the observation tokens: perturbing their log-probs (current and old) changes nothing
     batch.advantages = torch.tensor([1.0, -1.0] * 4)
     batch.old_logprobs = logp.detach() - 0.05 * gen
-    out = trainer.actor.infer(batch, trainer._forward_request())
-    reference = trainer._policy_loss(out, batch)[0]
+    out = trainer.actor.infer(batch, trainer.algorithm.forward_request())
+    reference = trainer.algorithm.policy_loss(out, batch)[0]
     perturbed = dataclasses.replace(out, logp=out.logp + 3.0 * _observations(batch))
     batch.old_logprobs = batch.old_logprobs - 2.0 * obs
-    assert torch.equal(trainer._policy_loss(perturbed, batch)[0], reference)
+    assert torch.equal(trainer.algorithm.policy_loss(perturbed, batch)[0], reference)
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()

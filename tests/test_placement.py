@@ -46,13 +46,13 @@ def test_memory_estimate_is_the_planners_estimate_of_the_role_on_its_layout():
     trainer = _trainer(reference_model=tiny_llama(tok, seed=2))
     peaks = {}
     for role in ("actor", "reference"):
-        engine, layout = trainer._role_engine(role), trainer._role_layout(role)
+        engine, layout = trainer.roles.engine(role), trainer.roles.layout(role)
         est = estimate_memory(engine.model, trainer.config, layout, device=layout.dims.device_type, role=role)
         peaks[role] = est.peak_bytes
         assert memory_estimate(engine, layout, trainer.config, role) == f"{est.peak_bytes / 2**30:.2f} GiB"
         assert memory_estimate(engine.model, layout, trainer.config, role) == f"{est.peak_bytes / 2**30:.2f} GiB"
     assert peaks["reference"] < peaks["actor"]  # frozen: no gradients, no optimizer states
-    layout = trainer._role_layout("actor")
+    layout = trainer.roles.layout("actor")
     assert memory_estimate(trainer.model, layout) == "n/a (no trainer config to size the step)"
     assert memory_estimate(None, layout, trainer.config) == "n/a (no local model)"
     assert memory_estimate(torch.nn.Linear(2, 2), layout, trainer.config).startswith("n/a (a Linear, not a transformers")
@@ -60,15 +60,12 @@ def test_memory_estimate_is_the_planners_estimate_of_the_role_on_its_layout():
         memory_estimate(trainer.model, layout, trainer.config, "value")
 
 
-@pytest.mark.xfail(strict=True, reason="facade/trainer.py's placement() still calls memory_estimate(model, layout) "
-                   "without the config: pass `memory_estimate(engine, self._role_layout(name), self.config, name)`, "
-                   "then drop this marker")
 def test_placement_shows_the_planners_memory_estimate_for_the_actor():
     from hf_verl.parallel import estimate_memory
 
     trainer = _trainer()
     line = trainer.placement()[0]
-    layout = trainer._role_layout("actor")
+    layout = trainer.roles.layout("actor")
     est = estimate_memory(trainer.model, trainer.config, layout, device=layout.dims.device_type, role="actor")
     assert line == ("actor: backend=plain where=rank 0 (colocated) layout=one process "
                     f"memory={est.peak_bytes / 2**30:.2f} GiB")

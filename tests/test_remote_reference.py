@@ -218,7 +218,7 @@ def test_a_reference_server_that_is_down_fails_the_step_naming_the_role_and_url(
     url = f"http://127.0.0.1:{_free_port()}/v1"
     trainer = Trainer(actor_model=tiny_llama(tok), reward_model=count_a, tokenizer=tok, placement={"reference": url},
                       config=dict(group_size=2, max_new_tokens=2, seed=0, use_async_rollout=False, beta=0.1))
-    trainer._remote_reference.max_retries, trainer._remote_reference.backoff_s = 1, 0.01
+    trainer.roles.remote_reference.max_retries, trainer.roles.remote_reference.backoff_s = 1, 0.01
     with pytest.raises(ReferenceServerError, match=rf"reference at {url}/completions is unreachable after 2 "
                                                    r"attempts .*hf-verl serve"):
         trainer.rollout(["abc"])

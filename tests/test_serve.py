@@ -287,8 +287,11 @@ def test_reward_scoring_overlaps_generation_on_a_server(tmp_path, monkeypatch):
         assert all(len(set(c[1])) == 1 for c in calls)
         assert calls[0][0] < max(served)  # the first request was scored before the last was generated
         calls.clear()
-        plain = trainer._score(trainer._generate([tok(r["prompt"])["input_ids"] for r in rows],
-                                                 [r["prompt"] for r in rows], trainer.engine), rows)
+        from hf_verl.pipeline import generation
+
+        batch = generation.generate(trainer.engine, [tok(r["prompt"])["input_ids"] for r in rows],
+                                    [r["prompt"] for r in rows], trainer._sampling_params(), tok, trainer.args.device)
+        plain = generation.score(trainer.reward_funcs, batch, generation.row_columns(rows))
         assert len(calls) == 1 and torch.equal(streamed.rewards_per_func, plain)
         assert streamed.batch.meta["prompts"] == [r["prompt"] for r in rows]
     finally:

@@ -24,25 +24,11 @@ import torch
 
 from hf_verl.algorithms.advantages import grpo_advantages
 from hf_verl.algorithms.policy_loss import masked_mean
-
-ADVANTAGE_ESTIMATORS = (
-    "gae",
-    "grpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "dr_grpo",
-    "gpg",
-    "grpo_passk",
-    "opo",
-    "gdpo",
-    "optimal_token_baseline",
-    "tir_optimal_token_baseline",
+from hf_verl.algorithms.registry import (
+    ADVANTAGE_ESTIMATORS,  # noqa: F401 (importable from here, as before the registry)
+    get_advantage_estimator,
+    register_advantage_estimator,
 )
-# the estimators that need no critic: every one but GAE (their statistics span a group or the batch)
-CRITIC_FREE_ESTIMATORS = tuple(e for e in ADVANTAGE_ESTIMATORS if e != "gae")
-
 
 def _check_groups(n: int, num_generations: int | None, name: str) -> int:
     if num_generations is None:
@@ -351,82 +337,111 @@ def optimal_token_baseline_advantages(
     return adv * maskf, returns
 
 
-def compute_advantages(
-    name: str,
-    *,
-    scores: torch.Tensor | None = None,
-    token_rewards: torch.Tensor | None = None,
-    values: torch.Tensor | None = None,
-    mask: torch.Tensor,
-    num_generations: int | None = None,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    greedy_scores: torch.Tensor | None = None,
-    scale_rewards: str = "group",
-    scores_per_func: torch.Tensor | None = None,
-    reward_weights=None,
-    old_logprobs: torch.Tensor | None = None,
-    sum_pi_squared: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Advantages of the estimator `name` (one of `ADVANTAGE_ESTIMATORS`).
+def compute_advantages(name: str, *, mask: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Advantages of the registered estimator `name` (:mod:`hf_verl.algorithms.registry`).
 
-    `gdpo` uses `scores_per_func` `(B, K)` with `reward_weights` when given (else `scores` as one function);
-    `grpo_passk` scales by the group std unless `scale_rewards="none"`. The optimal-token-baseline estimators
-    take `token_rewards`, `old_logprobs` and `sum_pi_squared` (the sampling policy's per-token statistics).
-    `gae` and `reinforce_plus_plus` take `token_rewards` `(B, T)` (e.g. from
-    `token_level_rewards`); the others take per-completion `scores` `(B,)`. `gae` also needs
-    `values`, `remax` needs `greedy_scores`, and the group estimators (`grpo`, `rloo`, `dr_grpo`,
-    `reinforce_plus_plus_baseline`) need `num_generations`. `scale_rewards` applies to `grpo`.
+    Args:
+        name (`str`): a registered estimator (`gae`, `grpo`, `rloo`, ..., or one of your own).
+        mask (`torch.Tensor` `(B, T)`): the response mask.
+        inputs: the estimator's keyword inputs (see the registry's module docstring): `scores` `(B,)`,
+            `token_rewards` / `values` `(B, T)`, `num_generations`, `gamma`, `lam`, `greedy_scores`,
+            `scale_rewards`, `scores_per_func`, `reward_weights`, `old_logprobs`, `sum_pi_squared`. The
+            estimator receives those its signature names.
 
     Returns:
-        `(advantages (B, T), returns)`: `returns` `(B, T)` for `gae` (the critic's targets),
-        `None` for the others. Both are 0 on padding; GAE advantages are not whitened.
+        `(advantages (B, T), returns (B, T) or None)`: `returns` for `gae` (the critic's targets), `None` for the
+        others. GAE advantages are not whitened.
+
+    Raises:
+        ValueError: an unknown name, or a required input missing.
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; choose one of {ADVANTAGE_ESTIMATORS}."
-        )
-    otb = ("token_rewards", "old_logprobs", "sum_pi_squared")
-    needs = {"gae": ("token_rewards", "values"), "reinforce_plus_plus": ("token_rewards",),
-             "optimal_token_baseline": otb, "tir_optimal_token_baseline": otb}
-    given = {"scores": scores, "token_rewards": token_rewards, "values": values,
-             "greedy_scores": greedy_scores, "old_logprobs": old_logprobs, "sum_pi_squared": sum_pi_squared}
-    required = needs.get(name, ("scores",) + (("greedy_scores",) if name == "remax" else ()))
-    for arg in required:
-        if given[arg] is None:
-            what = " (a critic)" if arg == "values" else ""
-            raise ValueError(f"estimator {name!r} needs {arg}{what}.")
-    batch = (scores if scores is not None else token_rewards).shape[0]
-    if mask.dim() != 2 or mask.shape[0] != batch:
-        raise ValueError(f"mask must be (B, T) with B={batch}, got shape {tuple(mask.shape)}.")
-    if name == "gae":
-        return gae_advantages(token_rewards, values, mask, gamma, lam)
-    if name == "reinforce_plus_plus":
-        return reinforce_pp_advantages(token_rewards, mask, gamma), None
-    if name == "remax":
-        return remax_advantages(scores, greedy_scores, mask), None
-    if name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
-        adv, _ = optimal_token_baseline_advantages(token_rewards, mask, old_logprobs, sum_pi_squared,
-                                                   _check_groups(batch, num_generations, name),
-                                                   multi_turn=name.startswith("tir"))
-        return adv, None
-    g = _check_groups(batch, num_generations, name)
-    if name == "grpo":
-        return _broadcast(grpo_advantages(scores, g, scale_rewards)[0], mask), None
-    if name == "rloo":
-        return rloo_advantages(scores, g, mask), None
-    if name == "dr_grpo":
-        return dr_grpo_advantages(scores, g, mask), None
-    if name == "gpg":
-        return gpg_advantages(scores, g, mask), None
-    if name == "grpo_passk":
-        return grpo_passk_advantages(scores, g, mask, scale_by_std=scale_rewards != "none"), None
-    if name == "opo":
-        return opo_advantages(scores, g, mask), None
-    if name == "gdpo":
-        per_func = scores_per_func if scores_per_func is not None else scores
-        return gdpo_token_advantages(per_func, g, mask, reward_weights), None
+    return get_advantage_estimator(name)(mask=mask, **inputs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The built-ins, registered as a user registers one (hf_verl.algorithms.register_advantage_estimator).
+
+
+@register_advantage_estimator("gae", needs_critic=True, per_sequence=True, requires=("token_rewards",))
+def _gae(token_rewards, values, mask, gamma=1.0, lam=0.95, **_):
+    return gae_advantages(token_rewards, values, mask, gamma, lam)
+
+
+@register_advantage_estimator("grpo")
+def _grpo(scores, mask, num_generations=None, scale_rewards="group", **_):
+    g = _check_groups(scores.shape[0], num_generations, "grpo")
+    return _broadcast(grpo_advantages(scores, g, scale_rewards)[0], mask), None
+
+
+@register_advantage_estimator("rloo")
+def _rloo(scores, mask, num_generations=None, **_):
+    return rloo_advantages(scores, _check_groups(scores.shape[0], num_generations, "rloo"), mask), None
+
+
+@register_advantage_estimator("reinforce_plus_plus", uses_groups=False, requires=("token_rewards",))
+def _reinforce_pp(token_rewards, mask, gamma=1.0, **_):
+    return reinforce_pp_advantages(token_rewards, mask, gamma), None
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline")
+def _reinforce_pp_baseline(scores, mask, num_generations=None, **_):
+    g = _check_groups(scores.shape[0], num_generations, "reinforce_plus_plus_baseline")
     return reinforce_pp_baseline_advantages(scores, mask, g), None
+
+
+@register_advantage_estimator("remax", uses_groups=False, requires=("scores", "greedy_scores"))
+def _remax(scores, greedy_scores, mask, **_):
+    return remax_advantages(scores, greedy_scores, mask), None
+
+
+@register_advantage_estimator("dr_grpo")
+def _dr_grpo(scores, mask, num_generations=None, **_):
+    return dr_grpo_advantages(scores, _check_groups(scores.shape[0], num_generations, "dr_grpo"), mask), None
+
+
+@register_advantage_estimator("gpg")
+def _gpg(scores, mask, num_generations=None, **_):
+    return gpg_advantages(scores, _check_groups(scores.shape[0], num_generations, "gpg"), mask), None
+
+
+@register_advantage_estimator("grpo_passk")
+def _grpo_passk(scores, mask, num_generations=None, scale_rewards="group", **_):
+    g = _check_groups(scores.shape[0], num_generations, "grpo_passk")
+    return grpo_passk_advantages(scores, g, mask, scale_by_std=scale_rewards != "none"), None
+
+
+@register_advantage_estimator("opo")
+def _opo(scores, mask, num_generations=None, **_):
+    return opo_advantages(scores, _check_groups(scores.shape[0], num_generations, "opo"), mask), None
+
+
+@register_advantage_estimator("gdpo")
+def _gdpo(scores, mask, num_generations=None, scores_per_func=None, reward_weights=None, **_):
+    g = _check_groups(scores.shape[0], num_generations, "gdpo")
+    per_func = scores_per_func if scores_per_func is not None else scores
+    return gdpo_token_advantages(per_func, g, mask, reward_weights), None
+
+
+_OTB_INPUTS = ("token_rewards", "old_logprobs", "sum_pi_squared")
+
+
+@register_advantage_estimator("optimal_token_baseline", requires=_OTB_INPUTS)
+def _otb(token_rewards, mask, old_logprobs, sum_pi_squared, num_generations=None, **_):
+    g = _check_groups(token_rewards.shape[0], num_generations, "optimal_token_baseline")
+    return optimal_token_baseline_advantages(token_rewards, mask, old_logprobs, sum_pi_squared, g)[0], None
+
+
+@register_advantage_estimator("tir_optimal_token_baseline", requires=_OTB_INPUTS)
+def _tir_otb(token_rewards, mask, old_logprobs, sum_pi_squared, num_generations=None, **_):
+    g = _check_groups(token_rewards.shape[0], num_generations, "tir_optimal_token_baseline")
+    return optimal_token_baseline_advantages(token_rewards, mask, old_logprobs, sum_pi_squared, g,
+                                             multi_turn=True)[0], None
+
+
+BUILTIN_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax",
+                      "dr_grpo", "gpg", "grpo_passk", "opo", "gdpo", "optimal_token_baseline",
+                      "tir_optimal_token_baseline")
+"""The estimators hf_verl ships (every registered name: :func:`~hf_verl.algorithms.registry.advantage_estimator_names`)."""
 
 
 class FixedKLController:

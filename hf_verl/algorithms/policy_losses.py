@@ -30,12 +30,21 @@ The masks TRL applies on top of any loss are functions here too: :func:`off_poli
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from hf_verl.algorithms.registry import (  # noqa: F401 (resolve_policy_loss and the tables: their public home)
+    POLICY_LOSS_ALIASES,
+    POLICY_LOSSES,
+    register_policy_loss,
+    resolve_policy_loss,
+)
+
 IS_LEVELS = ("token", "sequence")
+# TRL's clip-ratio metrics of the clipped losses (stat -> logged name)
+_CLIP_METRICS = {"clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",
+                 "clip_region": "clip_ratio/region_mean"}
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,7 @@ def _clip_indicators(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: f
     return {"low_clip": low_c, "high_clip": high_c, "region_clip": torch.clamp(low_c + high_c, max=1.0)}
 
 
+@register_policy_loss("clip", metrics=_CLIP_METRICS)
 def clip_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """PPO-clip on the token or sequence ratio, with two-sided (`delta`) and dual clipping."""
     adv = _col(advantages)
@@ -128,6 +138,7 @@ def clip_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return loss, _clip_indicators(ratio.detach(), adv, p.clip_low, p.high)
 
 
+@register_policy_loss("gspo", metrics=_CLIP_METRICS)
 def gspo_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """GSPO-token: PPO-clip with every token carrying its sequence's ratio in value and its own log-prob's
     gradient (`log w_t = sg[mean log ratio] + logp_t - sg[logp_t]`)."""
@@ -140,6 +151,7 @@ def gspo_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return loss, _clip_indicators(ratio.detach(), adv, p.clip_low, p.high)
 
 
+@register_policy_loss("cispo", metrics={"cispo_clip": "cispo_clip_ratio"})
 def cispo_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """CISPO: REINFORCE weighted by the ratio capped at `clip_high` and detached."""
     adv = _col(advantages)
@@ -149,6 +161,7 @@ def cispo_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return loss, {"cispo_clip": ((ratio.detach() > p.high) & (adv > 0)).float()}
 
 
+@register_policy_loss("sapo", metrics={})
 def sapo_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """SAPO: the hard clip replaced by a sigmoid gate `(4 / tau) sigmoid(tau (w - 1))` (slope 1 at w = 1)."""
     adv = _col(advantages)
@@ -175,9 +188,10 @@ def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def vespo_loss(logp, old_logp, advantages, mask, p: PolicyLossParams, is_ratio: torch.Tensor | None = None):
+@register_policy_loss("vespo", importance_weights="argument", metrics={"vespo_phi": "vespo/phi_seq_mean"})
+def vespo_loss(logp, old_logp, advantages, mask, p: PolicyLossParams, is_weights: torch.Tensor | None = None):
     """VESPO: REINFORCE weighted by the detached gamma weight of the sequence ratio."""
-    phi = vespo_weights(advantages, (logp - old_logp).detach(), mask, is_ratio, p)
+    phi = vespo_weights(advantages, (logp - old_logp).detach(), mask, is_weights, p)
     return -phi * _col(advantages) * logp, {"vespo_phi": phi.expand_as(logp)}
 
 
@@ -214,6 +228,7 @@ def _verl_ratio(logp: torch.Tensor, old_logp: torch.Tensor, clamp: bool = True) 
     return d, torch.exp(d)
 
 
+@register_policy_loss("vanilla", metrics={})
 def vanilla_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """verl's `vanilla`: PPO-clip with dual clip (constant `dual_clip`, verl's default 3)."""
     adv = _col(advantages)
@@ -227,6 +242,7 @@ def vanilla_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return loss, stats
 
 
+@register_policy_loss("cispo_clip", metrics={})
 def cispo_clip_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """verl's `cispo`: REINFORCE weighted by the detached ratio clipped to `[1 - clip_low, 1 + clip_high]`."""
     adv = _col(advantages)
@@ -235,6 +251,7 @@ def cispo_clip_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return -clipped.detach() * adv * logp, {"pg_clip": (ratio != clipped).float()}
 
 
+@register_policy_loss("gpg", metrics={})
 def gpg_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """GPG (Chu et al., 2025): plain REINFORCE, `-A logp` (no ratio, no clip)."""
     return -logp * _col(advantages), {}
@@ -257,6 +274,7 @@ def _dppo(logp, old_logp, advantages, p: PolicyLossParams, kind: str):
     return loss, {"pg_clip": 1.0 - valid, "pg_clip_lower": (ratio.detach() > c).float() * valid}
 
 
+@register_policy_loss("dppo_tv", metrics={})
 def dppo_tv_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """DPPO with a total-variation trust region: a token trains only while its probability moved by less than
     `clip_high` up (A > 0) / `clip_low` down (A <= 0); REINFORCE weighted by the ratio truncated at `dual_clip`
@@ -264,11 +282,13 @@ def dppo_tv_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return _dppo(logp, old_logp, advantages, p, "tv")
 
 
+@register_policy_loss("dppo_kl", metrics={})
 def dppo_kl_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """DPPO with a binary-KL trust region (`clip_high` for A > 0, `clip_low` otherwise)."""
     return _dppo(logp, old_logp, advantages, p, "kl")
 
 
+@register_policy_loss("geo_mean", importance_weights="geometric_mean", metrics={})
 def geo_mean_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """GMPO (Zhao et al., 2025): the geometric mean of the per-token ratios, clipped in log space to
     `[-clip_low, clip_high]` on the side the advantage's sign makes pessimistic, times the sequence's mean
@@ -286,6 +306,7 @@ def geo_mean_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return -seq_adv * seq_ratio, {"pg_clip": was_clipped * (adv > 0), "pg_clip_lower": was_clipped * (adv < 0)}
 
 
+@register_policy_loss("dro", metrics={})
 def dro_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """DRO: `-(A logp - beta / 2 (logp - old)^2)`, a quadratic log-ratio penalty (`dro_beta` > 0)."""
     if p.dro_beta is None or p.dro_beta <= 0:
@@ -294,6 +315,7 @@ def dro_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return -(logp * _col(advantages) - 0.5 * p.dro_beta * d.square()), {}
 
 
+@register_policy_loss("clip_cov", metrics={})
 def clip_cov_loss(logp, old_logp, advantages, mask, p: PolicyLossParams, generator: torch.Generator | None = None):
     """Clip-Cov (Cui et al., 2025): PPO-clip where a random `clip_cov_ratio` share of the tokens whose
     advantage/log-prob covariance lies in `(clip_cov_lb, clip_cov_ub)` (and that are not already clipped) gets
@@ -318,6 +340,7 @@ def clip_cov_loss(logp, old_logp, advantages, mask, p: PolicyLossParams, generat
     return torch.max(p1, p2) * keep, {"pg_clip": 1.0 - keep}
 
 
+@register_policy_loss("kl_cov", metrics={})
 def kl_cov_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """KL-Cov (Cui et al., 2025): `-A w`, plus `kl_cov_coef x |logp - old|` on the `kl_cov_ratio` share of
     tokens with the largest advantage/log-prob covariance."""
@@ -337,6 +360,7 @@ def kl_cov_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return loss + penalty.view_as(loss), {}
 
 
+@register_policy_loss("bypass_mode", behaviour="sampling", metrics={})
 def bypass_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     """verl's `bypass_mode`: the loss against the rollout engine's own log-probs (no trainer re-scoring), as
     PPO-clip (``bypass_loss_type="ppo_clip"``, verl's `vanilla`) or as REINFORCE weighted by truncated importance
@@ -363,36 +387,6 @@ def bypass_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return (loss if weight is None else loss * weight), {}
 
 
-PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-POLICY_LOSSES: dict[str, PolicyLossFn] = {
-    "clip": clip_loss,
-    "vanilla": vanilla_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
-    "cispo_clip": cispo_clip_loss,
-    "sapo": sapo_loss,
-    "vespo": vespo_loss,
-    "gpg": gpg_loss,
-    "dppo_tv": dppo_tv_loss,
-    "dppo_kl": dppo_kl_loss,
-    "geo_mean": geo_mean_loss,
-    "dro": dro_loss,
-    "clip_cov": clip_cov_loss,
-    "kl_cov": kl_cov_loss,
-    "bypass_mode": bypass_loss,
-}
-"""Policy losses by hf_verl name; :func:`resolve_policy_loss` maps TRL's and verl's names onto them."""
-
-POLICY_LOSS_ALIASES = {"ppo": "clip", "cispo": "cispo_clip"}
-"""Names given to `policy_loss` (verl's `policy_loss.loss_mode`) whose hf_verl loss differs: verl's `cispo` clips
-the ratio on both sides around 1, TRL's `loss_type="cispo"` only caps it at `epsilon_high`."""
-
-
-def resolve_policy_loss(name: str) -> str:
-    """The hf_verl name of a policy loss given by hf_verl's or verl's name; a clear error otherwise."""
-    name = POLICY_LOSS_ALIASES.get(name, name)
-    if name not in POLICY_LOSSES:
-        known = sorted(set(POLICY_LOSSES) | set(POLICY_LOSS_ALIASES))
-        raise ValueError(f"unknown policy loss {name!r}; choose one of {known}.")
-    return name
+BUILTIN_POLICY_LOSSES = ("clip", "vanilla", "gspo", "cispo", "cispo_clip", "sapo", "vespo", "gpg", "dppo_tv", "dppo_kl",
+                         "geo_mean", "dro", "clip_cov", "kl_cov", "bypass_mode")
+"""The policy losses hf_verl ships, registered as a user registers one (:func:`register_policy_loss`)."""

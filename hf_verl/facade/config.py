@@ -18,14 +18,14 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
-from hf_verl.settings import CRITIC_FREE_CHOICES, FACADE_DEFAULTS, SETTINGS, Setting, check_setting
+from hf_verl.settings import FACADE_DEFAULTS, SETTINGS, Setting, check_setting
 
 # the facade's settings: the schema's, with the facade's few defaults of its own
 FIELDS: dict[str, Setting] = {name: dataclasses.replace(f, default=FACADE_DEFAULTS.get(name, f.default))
                               for name, f in SETTINGS.items()}
 Field = Setting  # the earlier name of a setting's declaration
 
-__all__ = ["ALIASES", "CRITIC_FREE_CHOICES", "FIELDS", "TrainerConfig"]
+__all__ = ["ALIASES", "FIELDS", "TrainerConfig"]
 
 # the facade's earlier names, kept as aliases of the shared vocabulary (reading or writing either works)
 ALIASES: dict[str, str] = {

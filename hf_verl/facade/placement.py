@@ -1,111 +1,60 @@
-"""Per-role placement in the facade: what each role may be declared as, checks at construction, one line per role.
+"""The facade's placement report: one line per role with its backend, where it runs, its layout and the planner's
+memory estimate (`trainer.placement()`).
 
-`Trainer(..., placement={...})` declares, per role (docs/placement.md):
-
-- `"reference"`: `"colocated"` (default: the launch's layout, beside the actor) or a backend name (`"ddp"`,
-  `"fsdp2"`, `"zero1"`, `"zero2"`, `"zero3"`): its own layout over the launch's processes (on one process
-  `"ddp"` is the plain layout; Megatron is chosen for the whole launch, with `backend="megatron"`); or the URL of
-  a server that serves it (`hf-verl serve`, `vllm serve`), read through `/v1/completions` prompt log-probs
-  (:class:`~hf_verl.engine.remote_reference.RemoteReference`; then no `reference_model=`, and
-  `reference_tokenizer=` when the served model has another tokenizer than the actor's);
-- `"critic"`: the same choices (e.g. an FSDP2 critic beside a DDP actor);
-- `"generator"`: `"colocated"` (default: a `TransformersEngine` on the actor's weights) or the URL of any
-  `/v1/completions` server (`hf-verl serve`, `vllm serve`): a :class:`~hf_verl.rollout.remote.RemoteEngine`;
-- the reward model is declared by `reward_model=` itself: a callable, a local model (id, path or object), or a URL
-  (:class:`~hf_verl.rewards.remote.RemoteRewardModel`).
-
-A declaration that cannot run fails in :func:`check_placement`, at construction, naming the role and what to
-change. :func:`memory_estimate` is the planner's per-device estimate of a model role
+What a role may be declared as, and the checks at construction, are every front-end's
+(:mod:`hf_verl.pipeline.placement`); :func:`memory_estimate` is the planner's per-device estimate of a model role
 (`hf_verl.parallel.estimate_memory(model, config, layout, role=...)`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from hf_verl.parallel.backend import BackendSpec
-from hf_verl.rewards.remote import is_url
-
-BACKENDS = {"ddp": BackendSpec("ddp"), "fsdp2": BackendSpec("fsdp2"), "zero1": BackendSpec("deepspeed", 1),
-            "zero2": BackendSpec("deepspeed", 2), "zero3": BackendSpec("deepspeed", 3)}
-MODEL_ROLES = ("reference", "critic")
-COLOCATED = "colocated"
+from hf_verl.pipeline.placement import COLOCATED
+from hf_verl.rewards.callables import reward_func_name
+from hf_verl.rewards.remote import RemoteRewardModel
+from hf_verl.rewards.reward_model import RewardModelScorer
 
 
-def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool, has_critic: bool,
-                    world_size: int, engines: tuple[str, ...]) -> dict[str, str]:
-    """The validated placement (every declarable role filled in, "colocated" by default).
+def placement_report(roles: Any, reward_funcs: list, generator: Any) -> list[str]:
+    """The lines of `trainer.placement()`: the model roles (laid out, and so loaded, here), each reward source and
+    the generator.
 
     Args:
-        placement: `{role: choice}` as the module docstring lists.
-        has_reference / has_critic (`bool`): whether those roles were given a model.
-        world_size (`int`): processes of the launch.
-        engines (`tuple[str, ...]`): registered engine names (:data:`hf_verl.engine.registry.ENGINES`).
-
-    Raises:
-        ValueError: naming the role and what to change.
+        roles ([`FacadeRoles`]): the facade's roles.
+        reward_funcs (`list`): the resolved reward sources.
+        generator ([`RolloutEngine`]): the rollout engine.
     """
-    out = {"reference": COLOCATED, "critic": COLOCATED, "generator": COLOCATED}
-    for role, choice in dict(placement or {}).items():
-        if role == "reward":
-            raise ValueError("placement['reward']: a reward model is placed by what reward_model= is: a callable, a "
-                             "local model (id, path or object) or a server URL; drop it from placement.")
-        if role == "actor":
-            raise ValueError("placement['actor']: the actor runs on the launch's layout (accelerate launch / torchrun "
-                             "and its config); drop it from placement.")
-        if role not in out:
-            raise ValueError(f"placement has unknown role {role!r}; roles are {sorted(out)} (and reward_model=).")
-        if not isinstance(choice, str):
-            raise ValueError(f"placement[{role!r}] must be a string, got {type(choice).__name__}.")
-        if role == "generator":
-            if choice != COLOCATED and not is_url(choice):
-                raise ValueError(f"placement['generator'] = {choice!r}: use 'colocated' or the URL of a "
-                                 "/v1/completions server, e.g. 'http://127.0.0.1:8000'.")
-        elif role == "reference" and is_url(choice):
-            if has_reference:
-                raise ValueError(f"placement['reference'] = {choice!r} is a server, so the reference is the model it "
-                                 "serves: drop reference_model= (pass reference_tokenizer= if that model's tokenizer "
-                                 "is not the actor's).")
+    layout = roles.launch()[0]
+    ranks = f"ranks 0-{layout.dims.world_size - 1}" if layout.dims.world_size > 1 else "rank 0"
+    lines = []
+    for name in ("actor", "reference", "critic"):
+        if name == "reference" and roles.remote_reference is not None:
+            layout_ = "remote (cross-tokenizer)" if roles.cross() else "remote"
+            lines.append(placement_line(name, "server", roles.remote_reference.url, layout_, "n/a (remote)"))
+            continue
+        engine = roles.engine(name)
+        if engine is None:
+            continue
+        choice = roles.placement.get(name, COLOCATED)
+        axes = " ".join(f"{a}={getattr(engine.dims, a)}" for a in engine.dims.enabled) or "one process"
+        extra = " cross-tokenizer" if name == "reference" and roles.cross() else ""
+        where = f"{ranks} ({'colocated' if choice == COLOCATED else 'own layout'}{extra})"
+        memory = memory_estimate(engine, roles.layout(name), roles.config, name)
+        lines.append(placement_line(name, engine.backend.label, where, axes, memory))
+    for func in reward_funcs:
+        label = f"reward[{reward_func_name(func)}]"
+        if isinstance(func, RemoteRewardModel):
+            lines.append(placement_line(label, "server", func.url, "remote", "n/a (remote)"))
+        elif isinstance(func, RewardModelScorer):
+            lines.append(placement_line(label, "local model", ranks, "replica on every rank" if not
+                                        roles.sharded_rewards else "sharded with the actor", "n/a"))
         else:
-            given = has_reference if role == "reference" else has_critic
-            if not given:
-                raise ValueError(f"placement[{role!r}] = {choice!r} but no {role} model was given: pass "
-                                 f"{role}_model=, or drop {role!r} from placement.")
-            if choice != COLOCATED:
-                if choice not in BACKENDS and choice != "megatron":
-                    url = " or a server URL (http://host:port/v1)" if role == "reference" else ""
-                    raise ValueError(f"placement[{role!r}] = {choice!r}: choose 'colocated'{url} or one of "
-                                     f"{sorted(BACKENDS) + ['megatron']}.")
-                if choice == "megatron":
-                    hint = "" if "megatron" in engines else " (it needs megatron-core: pip install 'hf_verl[megatron]')"
-                    raise ValueError(f"placement[{role!r}] = 'megatron': a Megatron layout is the whole launch's; set "
-                                     f"config backend='megatron' to run every role on it{hint}, or pick one of "
-                                     f"{sorted(BACKENDS)}.")
-                if world_size < 2 and choice != "ddp":
-                    raise ValueError(f"placement[{role!r}] = {choice!r} shards over processes but this launch has "
-                                     "one: launch 2 or more processes (accelerate launch / torchrun), or use "
-                                     "'colocated'.")
-                if choice.startswith("zero"):
-                    import importlib.util
-
-                    if importlib.util.find_spec("deepspeed") is None:
-                        raise ValueError(f"placement[{role!r}] = {choice!r} needs deepspeed: pip install deepspeed, "
-                                         "or use 'fsdp2'.")
-        out[role] = choice
-    if is_url(out["reference"]) and is_url(out["generator"]) and _server(out["reference"]) == _server(out["generator"]):
-        raise ValueError(f"placement['reference'] = {out['reference']!r} is the generator's server, which takes the "
-                         "actor's weights after every step, so it cannot serve the frozen reference: serve the "
-                         "reference on its own port (hf-verl serve <reference model> --port ...).")
-    return out
-
-
-def _server(url: str) -> str:
-    """`scheme://host:port` of a URL (a server is the same whatever route or trailing `/v1` is named)."""
-    import urllib.parse
-
-    parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}".lower()
+            lines.append(placement_line(label, "callable", ranks, "python", "n/a"))
+    url = getattr(generator, "base_url", None)
+    lines.append(placement_line("generator", type(generator).__name__, url or ranks,
+                                "remote" if url else "colocated", "n/a" if url else "shares the actor's"))
+    return lines
 
 
 def memory_estimate(model: Any, layout: Any, config: Any = None, role: str = "actor") -> str:

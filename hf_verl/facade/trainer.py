@@ -4,45 +4,36 @@
 trainer = Trainer(actor_model="Qwen/Qwen2.5-0.5B", reward_model=my_reward_fn, config={"num_generations": 8})
 for batch in loader:
     rollout = trainer.rollout(batch)       # generate, score, reference, critic, advantages
-    loss = trainer.compute_loss(rollout)   # PPO clip (+ value, KL, entropy terms)
-    metrics = trainer.step(loss)           # backward, clip, optimizer steps, weight sync
+    loss = trainer.compute_loss(rollout)   # the algorithm's loss, backward done by each role's engine
+    metrics = trainer.step(loss)           # optimizer steps, weight sync
 ```
 
-The facade is a front-end of the same machinery as the TRL-style trainers: every role is a
-training engine (:mod:`hf_verl.engine`, laid out by the launch's backend: one process, DDP, FSDP2
-or ZeRO, `accelerate launch` as for the trainers), and every phase is a function of
-:mod:`hf_verl.pipeline` (generation and scoring, reference / old log-probs, critic values,
-advantages over the data-parallel round, the policy and value losses, weight sync, prefetching).
-It adds only the loop API: roles that load lazily (:mod:`hf_verl.facade.roles`), a validated live
-:class:`~hf_verl.facade.config.TrainerConfig` with the trainers' vocabulary, trace ids and debug
-records (:mod:`hf_verl.facade.debug`), and asynchronous rollout over the user's batches
-(`rollout()` / `rollouts(batches)`, through the trainers' :mod:`hf_verl.pipeline.orchestrator` on the worker of
-:mod:`hf_verl.pipeline.prefetch`).
+The facade is a front-end of the same machinery as the TRL-style trainers, not a copy of it: its roles are built
+by the same role builder (:mod:`hf_verl.facade.role_set` over :mod:`hf_verl.pipeline.role_builder`), its rounds
+are scheduled by the same orchestrator (:mod:`hf_verl.pipeline.orchestrator`) and collected by the same collector,
+and its algorithm is the same object (:func:`hf_verl.pipeline.algorithm.make_algorithm`: the critic-free family,
+GRPOTrainer's, without a critic; PPO, PPOTrainer's, with one), so every registered estimator, policy loss and KL
+estimator runs here as in the trainers. It adds only the loop API: roles that load lazily, a validated live
+:class:`~hf_verl.facade.config.TrainerConfig` with the trainers' vocabulary, trace ids and debug records
+(:mod:`hf_verl.facade.debug`), and asynchronous rollout over the user's batches (`rollout()` / `rollouts(batches)`).
 
-Departures from TRL's PPO: the KL to the reference is always a loss term (GRPO style,
-`kl_estimator`, default k3), also with GAE, where TRL's PPO puts it into the token rewards; old
-log-probs are always recomputed by the actor when a rollout is handed out (exact PPO ratios
-whatever the engine and however stale the rollout).
+The facade's choices, as data: the KL to the reference is a loss term (`beta`, `kl_estimator`), also with a critic
+(PPOTrainer's `use_kl_loss`); reference and old log-probs are computed when a rollout is handed out (so a rollout
+carries them, and PPO ratios are exact whatever the engine and however stale the rollout); each `compute_loss`
+call's token-mean loss is normalised by its own tokens.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
-from dataclasses import replace
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from hf_verl.data.prompts import check_prompt_column, ensure_pad_token
-from hf_verl.data.batch import LossInputs
-from hf_verl.engine.base import TrainingEngine
-from hf_verl.engine.registry import ENGINES, launch_role_layout, make_engine
-from hf_verl.engine.step import LogProbs, OptimizerSpec, PolicyOutput, Values
-from hf_verl.facade.config import CRITIC_FREE_CHOICES, TrainerConfig
+from hf_verl.facade.config import TrainerConfig
 from hf_verl.facade.debug import (
     DEFAULT_DEBUG_FILE,
     DebugRecorder,
@@ -52,22 +43,20 @@ from hf_verl.facade.debug import (
     peak_memory_mb,
     trace,
 )
-from hf_verl.facade.placement import BACKENDS, COLOCATED, check_placement, memory_estimate, placement_line
-from hf_verl.facade.roles import LazyModel, model_device_dtype, vocab_size
+from hf_verl.facade.placement import placement_report
+from hf_verl.facade.role_set import FacadeRoles
+from hf_verl.facade.roles import model_device_dtype
 from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
+from hf_verl.facade.rows import DatasetRows, batch_rows
 from hf_verl.parallel import comm, watchdog
-from hf_verl.parallel.capabilities import parallelism_report, supported_parallelisms
-from hf_verl.pipeline import generation, losses, phases
-from hf_verl.pipeline.cross_tokenizer import CrossTokenizer, same_tokenizer
+from hf_verl.parallel.capabilities import supported_parallelisms
+from hf_verl.pipeline import generation
+from hf_verl.pipeline.algorithm import Algorithm, Roles, make_algorithm
 from hf_verl.pipeline.orchestrator import END, Round, RoundHost, RoundOrchestrator
-from hf_verl.pipeline.prefetch import frozen_copy
-from hf_verl.parallel.sharded_load import loaded_sharded, whole_copy
 from hf_verl.pipeline.rounds import Collected, RoundCollector
-from hf_verl.pipeline.rewards import place_reward_models
 from hf_verl.pipeline.tool_rollout import ToolRollout, tool_frequencies, tool_metrics
 from hf_verl.rewards.callables import combine_rewards, reward_func_name
-from hf_verl.rewards.remote import RemoteRewardModel, is_url
-from hf_verl.rewards.reward_model import RewardModelScorer, resolve_reward_sources
+from hf_verl.rewards.reward_model import resolve_reward_sources
 from hf_verl.rollout.base import RolloutEngine
 
 logger = TraceLogger(logging.getLogger(__name__), {})
@@ -82,7 +71,7 @@ class Trainer:
             Hub id or path loads on first use; an engine with a `.model` (such as
             [`TransformersEngine`]) generates and its model is trained.
         critic_model (*optional*): a value model (`AutoModelForSequenceClassification`,
-            `num_labels=1`, id or object), scored per token. With it the estimator is GAE.
+            `num_labels=1`, id or object), scored per token. With it the algorithm is PPO (GAE by default).
         reward_model: a reward function `f(prompts, completions, completion_ids, **columns)`, a
             reward model (id, path or object, scored with its own tokenizer), or a list of these.
         reference_model (*optional*): the KL reference (id, path or object). Without it and with
@@ -92,17 +81,19 @@ class Trainer:
         config (`TrainerConfig` or `dict`, *optional*): settings (see [`TrainerConfig`]).
         reward_tokenizer (*optional*): tokenizer of a reward model given as an object.
         reward_weights (`list[float]`, *optional*): weights of the reward sources.
-        rollout_engine ([`RolloutEngine`], *optional*): generation engine for `actor_model`;
-            defaults to a [`TransformersEngine`] sharing the actor's weights (a replica of them when
-            the actor is sharded).
+        rollout_engine ([`RolloutEngine`] or `str`, *optional*): the generation engine: an engine object, or a
+            registered engine's name (`"transformers"`, `"vllm"`, `"remote"`, or your own:
+            `hf_verl.rollout.register_rollout_engine`); default: a transformers engine sharing the actor's weights
+            (a replica of them when the actor is sharded), or a `remote` one for a generator URL.
         reference_tokenizer (*optional*): the reference's tokenizer. A reference given by id or path loads its
             own; one given as an object without it is taken to share the actor's. When it differs from the
             actor's (vocabulary or special tokens), the reference scores the decoded text re-tokenised with it and
             its log-probs are aligned to the actor's tokens by character offsets (docs/placement.md).
         placement (`dict`, *optional*): where roles run, `{"reference" | "critic": "colocated" | "ddp" | "fsdp2" |
             "zero1" | "zero2" | "zero3", "generator": "colocated" | "<URL of a /v1/completions server>"}`; the
-            reference may also be the URL of a server that serves it (no `reference_model=` then)
-            (every role colocated by default; :mod:`hf_verl.facade.placement`). `placement()` reports it.
+            reference may also be the URL of a server that serves it (no `reference_model=` then). A URL
+            generator's weight updates carry the token in `HF_VERL_SERVE_TOKEN` (the variable `hf-verl serve`
+            reads). Every role colocated by default (:mod:`hf_verl.pipeline.placement`); `placement()` reports it.
         tools (`list[Callable]`, *optional*): functions (type hints, Google-style docstring) the actor
             may call while generating, as with `GRPOTrainer(tools=...)`: rollouts become multi-turn
             (at most `config.max_tool_calling_iterations` tool rounds, `max_completion_length` tokens in
@@ -118,59 +109,26 @@ class Trainer:
     def __init__(self, actor_model: Any, critic_model: Any = None, reward_model: Any = None,
                  reference_model: Any = None, tokenizer: Any = None, dataset: Any = None,
                  config: TrainerConfig | Mapping | None = None, *, reward_tokenizer: Any = None,
-                 reward_weights: Sequence[float] | None = None, rollout_engine: RolloutEngine | None = None,
+                 reward_weights: Sequence[float] | None = None, rollout_engine: RolloutEngine | str | None = None,
                  tools: Sequence[Callable] | None = None, reference_tokenizer: Any = None,
                  placement: Mapping[str, str] | None = None) -> None:
         self.config = config if isinstance(config, TrainerConfig) else TrainerConfig(**dict(config or {}))
-        self._placement = check_placement(placement, has_reference=reference_model is not None,
-                                          has_critic=critic_model is not None,
-                                          world_size=int(os.environ.get("WORLD_SIZE", "1")), engines=tuple(ENGINES))
-        if is_url(self._placement["generator"]):
-            if rollout_engine is not None or isinstance(actor_model, RolloutEngine):
-                raise ValueError("placement['generator'] is a URL but a rollout engine was given too: pass one of "
-                                 "them.")
-            from hf_verl.rollout.remote import RemoteEngine
-
-            rollout_engine = RemoteEngine(self._placement["generator"])
-        if isinstance(actor_model, RolloutEngine):
-            rollout_engine, actor_model = actor_model, getattr(actor_model, "model", None)
-            if actor_model is None:
-                raise ValueError(f"the actor engine {type(rollout_engine).__name__} has no `.model` to train; "
-                                 "pass the model as actor_model and the engine as rollout_engine=.")
         if reward_model is None:
             raise ValueError("reward_model is required: a reward function, a reward model id/path/object, or a list.")
-        place = {"device": self.config.device, "dtype": self.config.dtype}
-        self.actor = LazyModel("actor", actor_model, "causal_lm", **place)
-        self.critic = None if critic_model is None else LazyModel("critic", critic_model, "value", **place)
-        self.reference = None if reference_model is None else LazyModel("reference", reference_model, "causal_lm",
-                                                                        **place)
-        self._remote_reference = None  # a reference served behind a URL (placement["reference"])
-        if is_url(self._placement["reference"]):
-            from hf_verl.engine.remote_reference import RemoteReference
-
-            self._remote_reference = RemoteReference(self._placement["reference"])
-        for role in self._model_roles():
-            role.on_load.append(lambda _role: self._check_vocab())
-        self._reference_tokenizer = reference_tokenizer
-        self._tokenizer = tokenizer
-        self._engine = rollout_engine
-        self._cross: CrossTokenizer | None | bool = False  # False: not decided yet
-        self._check_vocab()
         self.reward_funcs = resolve_reward_sources(reward_model, reward_tokenizer, defer_checks=True)
         self.reward_weights = reward_weights
+        self.roles = FacadeRoles(self.config, actor_model=actor_model, critic_model=critic_model,
+                                 reference_model=reference_model, tokenizer=tokenizer,
+                                 reference_tokenizer=reference_tokenizer, rollout_engine=rollout_engine,
+                                 placement=placement, reward_funcs=self.reward_funcs)
+        self.actor, self.critic, self.reference = self.roles.actor, self.roles.critic, self.roles.reference
         self._tool_rollout = ToolRollout(tools) if tools else None
         self._tools_checked = False
-        if self._tool_rollout is not None and (tokenizer or getattr(rollout_engine, "tokenizer", None)) is not None:
+        if self._tool_rollout is not None and self.roles.tokenizer_at_hand():
             self._check_tools()  # a tokenizer at hand is checked now; one loaded from the actor id at first use
-        self._engine = rollout_engine
-        self.dataset = dataset
+        self._rows_source = DatasetRows(dataset)
         self.debug_mode = False
-        self._order: list[int] = []
-        self._epoch = 0
-        self._layout = None  # (backend, dims, accelerator), decided on first use
-        self.layout_plan = None  # the planner's Plan when config.parallel / model_size asked for one
-        self._engines: dict[str, TrainingEngine] = {}
-        self._sharded_rewards = 0
+        self._algorithm: Algorithm | None = None
         self._moves_logged: set[str] = set()
         self._loss_metrics: dict[str, Any] = {}
         self._loss_rollout: Rollout | None = None
@@ -186,237 +144,65 @@ class Trainer:
         weakref.finalize(self, self._rounds.prefetcher.close, False)
         self._explicit_logged = False
         self._layout_logged = False
+        self._no_logprobs_logged = False
         self.config.add_listener(self._on_config_change)
 
-    # ------------------------------------------------------------------ roles and engines
-    def _model_roles(self) -> list[LazyModel]:
-        return [r for r in (self.actor, self.critic, self.reference) if r is not None]
+    # ------------------------------------------------------------------ roles
+    @property
+    def dataset(self) -> Any:
+        """The rows `rollout()` draws from when called without a batch."""
+        return self._rows_source.dataset
 
-    def _check_vocab(self) -> None:
-        """A critic, and a reference on the actor's tokenizer, read the actor's token ids: their embeddings must
-        agree with the actor's. A reference on another tokenizer (decided from the tokenizers, not from sizes) reads
-        its own re-tokenised ids and is not checked here."""
-        if not self.actor.loaded:
-            return
-        actor_v = vocab_size(self.actor.get())
-        for role in (self.reference, self.critic):
-            if role is not None and role.loaded:
-                if role is self.reference and self._reference_tokenizer_known() and self._reference_cross():
-                    continue
-                other = vocab_size(role.get())
-                if None not in (actor_v, other) and actor_v != other:
-                    hint = (" or, if it has another tokenizer, pass reference_tokenizer= (it is then scored on the "
-                            "re-tokenised text)") if role is self.reference else ""
-                    raise ValueError(
-                        f"the actor ({self.actor.name}) has a vocabulary of {actor_v} tokens but the {role.role} "
-                        f"({role.name}) has {other}: the {role.role} reads the actor's token ids, so both need "
-                        f"the same tokenizer and embedding size{hint}."
-                    )
-
-    def _reference_tokenizer_known(self) -> bool:
-        """Whether both tokenizers can be had without loading from an object that has no id."""
-        ref_ok = self._reference_tokenizer is not None or (self.reference is not None
-                                                           and isinstance(self.reference.source, str))
-        actor_ok = self._tokenizer is not None or getattr(self._engine, "tokenizer", None) is not None or isinstance(
-            self.actor.source, str)
-        return ref_ok and actor_ok
-
-    def _reference_cross(self) -> CrossTokenizer | None:
-        """The re-tokenisation of a reference on another tokenizer, or None when it shares the actor's (decided
-        once, from the tokenizers: :func:`~hf_verl.pipeline.cross_tokenizer.same_tokenizer`)."""
-        if self._cross is False:
-            self._cross = None
-            if (self.reference is not None or self._remote_reference is not None) and \
-                    self._reference_tokenizer_known():
-                if self._reference_tokenizer is None:
-                    from transformers import AutoTokenizer
-
-                    self._reference_tokenizer = AutoTokenizer.from_pretrained(self.reference.source)
-                if not same_tokenizer(self.tokenizer, self._reference_tokenizer):
-                    self._cross = CrossTokenizer(self.tokenizer, self._reference_tokenizer, role="reference")
-                    logger.info("the reference (%s) has another tokenizer than the actor: it scores the decoded text "
-                                "re-tokenised with its own, aligned to the actor's tokens by character offsets",
-                                self._remote_reference.url if self.reference is None else self.reference.name)
-        return self._cross
-
-    def placement(self) -> list[str]:
-        """One line per role, also logged: its backend, its ranks or URL, its layout and a memory estimate (the
-        planner's, "n/a" until it is installed). Lays out (and so loads) the model roles.
-
-        Returns:
-            `list[str]`: lines `"<role>: backend=... where=... layout=... memory=..."` for the actor, the
-            reference (or the actor with adapters off), the critic, each reward source and the generator.
-        """
-        layout, _ = self._launch_layout()
-        ranks = f"ranks 0-{layout.dims.world_size - 1}" if layout.dims.world_size > 1 else "rank 0"
-        lines = []
-        for name in ("actor", "reference", "critic"):
-            if name == "reference" and self._remote_reference is not None:
-                layout_ = "remote (cross-tokenizer)" if self._reference_cross() else "remote"
-                lines.append(placement_line(name, "server", self._remote_reference.url, layout_, "n/a (remote)"))
-                continue
-            engine = self._role_engine(name)
-            if engine is None:
-                continue
-            choice = self._placement.get(name, COLOCATED)
-            axes = " ".join(f"{a}={getattr(engine.dims, a)}" for a in engine.dims.enabled) or "one process"
-            extra = " cross-tokenizer" if name == "reference" and self._reference_cross() else ""
-            where = f"{ranks} ({'colocated' if choice == COLOCATED else 'own layout'}{extra})"
-            lines.append(placement_line(name, engine.backend.label, where, axes,
-                                        memory_estimate(engine.model if hasattr(engine, "model") else None, layout)))
-        for func in self.reward_funcs:
-            label = f"reward[{reward_func_name(func)}]"
-            if isinstance(func, RemoteRewardModel):
-                lines.append(placement_line(label, "server", func.url, "remote", "n/a (remote)"))
-            elif isinstance(func, RewardModelScorer):
-                lines.append(placement_line(label, "local model", ranks, "replica on every rank" if not
-                                            self._sharded_rewards else "sharded with the actor", "n/a"))
-            else:
-                lines.append(placement_line(label, "callable", ranks, "python", "n/a"))
-        engine = self.engine
-        url = getattr(engine, "base_url", None)
-        lines.append(placement_line("generator", type(engine).__name__, url or ranks,
-                                    "remote" if url else "colocated", "n/a" if url else "shares the actor's"))
-        if self.dims.is_main:
-            for line in lines:
-                logger.info("placement: %s", line)
-        return lines
+    @dataset.setter
+    def dataset(self, dataset: Any) -> None:
+        self._rows_source = DatasetRows(dataset)
 
     @property
     def model(self) -> torch.nn.Module:
         """The actor model (loaded on first access)."""
-        return self._role_model("actor")
+        return self.roles.model("actor")
 
     @property
     def tokenizer(self):
         """The actor's tokenizer (loaded on first access when the actor was given by id)."""
-        if self._tokenizer is None:
-            if self._engine is not None and getattr(self._engine, "tokenizer", None) is not None:
-                self._tokenizer = self._engine.tokenizer
-            else:
-                source = self.actor.source if isinstance(self.actor.source, str) else self.actor.name
-                if not isinstance(source, str) or not source or source == type(self.model).__name__:
-                    raise ValueError("the actor was given as an object without a Hub id: pass tokenizer=.")
-                from transformers import AutoTokenizer
-
-                self._role_model("actor")  # fails first, naming the role, when the id cannot be resolved
-                self._tokenizer = AutoTokenizer.from_pretrained(source)
-            ensure_pad_token(self._tokenizer)
-        return self._tokenizer
-
-    def _launch_layout(self):
-        """The launch's default [`RoleLayout`] and its accelerator (decided once, on first use)."""
-        if self._layout is None:
-            from accelerate import Accelerator
-
-            from hf_verl.parallel.backend import check_accelerate_parallelism
-
-            from hf_verl.parallel.megatron.launch import resolve_megatron_settings
-
-            check_accelerate_parallelism()  # before accelerate builds groups of its own
-            self._plan_layout()
-            cfg = self.config
-            backend, tp, pp = resolve_megatron_settings(  # an accelerate MEGATRON_LM launch is hf_verl's to run
-                "TrainerConfig", cfg.backend, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                cfg.sequence_parallel_size)
-            from datetime import timedelta
-
-            from accelerate.utils import InitProcessGroupKwargs
-
-            accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[
-                InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))])
-            # a rank stalled past ddp_timeout is named instead of hanging; the process group is left cleanly at exit
-            watchdog.start(cfg.ddp_timeout)
-            watchdog.set_step(self.global_step + 1)
-            layout = launch_role_layout(accelerator.num_processes, sequence_parallel_size=cfg.sequence_parallel_size,
-                                        tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                        engine="megatron" if backend == "megatron" else None)
-            self._layout = (layout, accelerator)
-        return self._layout
-
-    def _plan_layout(self) -> None:
-        """`config.parallel="auto"`, or a `config.model_size` set with `parallel` left at None: the planner's layout
-        for this launch, written into the config before any role is loaded (:mod:`hf_verl.parallel.planner.apply`);
-        an explicit layout wins and the log says so."""
-        cfg = self.config
-        if cfg.parallel == "manual" or (cfg.parallel is None and cfg.model_size is None):
-            return
-        from hf_verl.parallel.planner.apply import apply_facade_plan
-
-        self.layout_plan = apply_facade_plan(cfg, cfg.model_size if cfg.model_size is not None else self.actor.source)
+        return self.roles.tokenizer
 
     @property
     def dims(self):
         """The run's [`ParallelDims`] (data-parallel rank and size, groups)."""
-        return self._launch_layout()[0].dims
-
-    def _role_layout(self, name: str):
-        """The [`RoleLayout`] role `name` runs on: the launch's, or its own placement's over the launch's processes."""
-        layout, _ = self._launch_layout()
-        choice = self._placement.get(name, COLOCATED)
-        if choice != COLOCATED and layout.dims.world_size > 1:  # its own layout over the launch's processes
-            layout = replace(layout.with_backend(BACKENDS[choice]), colocated=False)
-        return layout
-
-    def _role_model(self, name: str) -> torch.nn.Module:
-        """Role `name`'s model; loaded for its layout under a multi-process launch (sharded where that applies)."""
-        role = {"actor": self.actor, "critic": self.critic, "reference": self.reference}[name]
-        if role.loaded or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            return role.get()
-        return role.get(layout=self._role_layout(name))
-
-    def _role_engine(self, name: str) -> TrainingEngine | None:
-        """The training engine of role `name` ("actor", "critic", "reference"), made on first use."""
-        role = {"actor": self.actor, "critic": self.critic, "reference": self.reference}[name]
-        if role is None:
-            return None
-        if name not in self._engines:
-            _, accelerator = self._launch_layout()
-            layout = self._role_layout(name)
-            model = role.get(layout=layout)  # an id or path loads sharded under FSDP2 / ZeRO-3 over 2+ shards
-            if name == "actor" and layout.backend.partitions_parameters and self._engine is None:
-                # a sharded actor cannot generate: the default engine gets a replica, made before sharding (read whole
-                # from the checkpoint when the actor was loaded sharded)
-                from hf_verl.rollout.hf_engine import TransformersEngine
-
-                replica = whole_copy(model, accelerator.device) if loaded_sharded(model) else frozen_copy(model)
-                self._engine = TransformersEngine(replica, self.tokenizer)
-            rows = self.config.rollout_batch_size * self.config.num_generations
-            engine = make_engine(
-                model, name, layout, accelerator=accelerator, trainable=name != "reference",
-                micro_batch_size=rows, max_grad_norm=self.config.max_grad_norm,
-                pad_token_id=self.tokenizer.pad_token_id if name == "critic" else None)
-            self._engines[name] = engine
-            if name != "reference":
-                engine.configure_optimizer(self._optimizer_spec(name))
-            if name == "actor":  # reward models shard with the policy; loading them is a main-thread step
-                self._sharded_rewards = place_reward_models(
-                    self.reward_funcs, layout.backend, async_rollout=self.config.use_async_rollout,
-                    make_engine=lambda m: make_engine(m, "reward", layout, accelerator=accelerator, trainable=False))
-        return self._engines[name]
-
-    def _optimizer_spec(self, name: str) -> OptimizerSpec:
-        """AdamW over every trainable parameter (`critic_learning_rate` for the critic), clipping to
-        `max_grad_norm`, a constant learning rate (changed live through `trainer.config`)."""
-        cfg = self.config
-        lr = cfg.learning_rate if name == "actor" else (cfg.critic_learning_rate or cfg.learning_rate)
-        return OptimizerSpec(torch.optim.AdamW, {"lr": lr}, weight_decay=cfg.weight_decay,
-                             max_grad_norm=cfg.max_grad_norm)
+        return self.roles.dims
 
     @property
-    def actor_engine(self) -> TrainingEngine:
+    def layout_plan(self):
+        """The planner's `Plan` when `config.parallel` / `config.model_size` asked for one (None otherwise)."""
+        return self.roles.layout_plan
+
+    @property
+    def actor_engine(self):
         """The actor's training engine."""
-        return self._role_engine("actor")
+        return self.roles.engine("actor")
 
     @property
     def engine(self) -> RolloutEngine:
         """The actor's rollout engine (a `TransformersEngine` on the actor's weights by default)."""
-        actor = self.actor_engine
-        if self._engine is None:
-            from hf_verl.rollout.hf_engine import TransformersEngine
+        return self.roles.generator
 
-            self._engine = TransformersEngine(actor.rollout_model(), self.tokenizer)
-        return self._engine
+    @property
+    def algorithm(self) -> Algorithm:
+        """The algorithm object (the trainers' own): the critic-free family without a critic, PPO with one."""
+        if self._algorithm is None:
+            self._algorithm = make_algorithm(
+                self.config, critic=self.critic is not None, model=self.model, reward_weights=self.reward_weights,
+                reward_names=[reward_func_name(f) for f in self.reward_funcs],
+                eos_token_id=self.tokenizer.eos_token_id)
+        return self._algorithm
+
+    def _algorithm_roles(self) -> Roles:
+        roles = self.roles
+        return Roles(actor=self.actor_engine, dims=self.dims, reference=roles.engine("reference"),
+                     critic=roles.engine("critic"), cross=roles.cross(), move=self._into, record=self._record,
+                     greedy_scores=lambda batch, rows: self._round_collector().greedy_scores(
+                         batch, rows, self.engine, self.reward_weights))
 
     def supported_parallelisms(self, reasons: bool = False) -> list[str] | dict[str, str]:
         """The parallelisms this installation and machine can run now: "data" (DDP), "fsdp" (FSDP2),
@@ -426,12 +212,24 @@ class Trainer:
             reasons (`bool`): return `{name: reason}` for every parallelism instead, the reason saying
                 what it runs on or why it cannot run (missing backend, too few devices, not built yet).
         """
-        if reasons:
-            return {name: a.reason for name, a in parallelism_report().items()}
-        return supported_parallelisms()
+        return supported_parallelisms(reasons=reasons)
+
+    def placement(self) -> list[str]:
+        """One line per role, also logged: its backend, its ranks or URL, its layout and the planner's memory
+        estimate. Lays out (and so loads) the model roles.
+
+        Returns:
+            `list[str]`: lines `"<role>: backend=... where=... layout=... memory=..."` for the actor, the
+            reference (or the actor with adapters off), the critic, each reward source and the generator.
+        """
+        lines = placement_report(self.roles, self.reward_funcs, self.engine)
+        if self.dims.is_main:
+            for line in lines:
+                logger.info("placement: %s", line)
+        return lines
 
     # ------------------------------------------------------------------ role moves and debug
-    def _into(self, role: str, engine: TrainingEngine, batch: Rollout) -> Rollout:
+    def _into(self, role: str, engine: Any, batch: Rollout) -> Rollout:
         """`batch` on `role`'s device; a device/dtype difference from the actor is logged once."""
         device, dtype = engine.device, engine.dtype
         a_device, a_dtype = model_device_dtype(self.model)
@@ -498,6 +296,35 @@ class Trainer:
         finally:
             self._rounds.drop(key)  # an early break drops the prefetch; its generation just ends
 
+    def _draw(self, n: int) -> list[dict]:
+        dims = self.dims
+        return self._rows_source.draw(n, self.config.seed, dims.dp_rank, dims.dp_size)
+
+    def _check_tools(self) -> None:
+        if self._tool_rollout is not None and not self._tools_checked:
+            self._tool_rollout.check_tokenizer(self.tokenizer)
+            self._tools_checked = True
+
+    def _rows(self, batch: Any) -> list[dict]:
+        """A batch as rows (`prompt` and the other columns), each repeated `num_generations` times; with tools the
+        prompts are checked against them here, on the main thread."""
+        rows = batch_rows(batch if batch is not None else self._draw(self.config.rollout_batch_size),
+                          self.config.num_generations)
+        if self._tool_rollout is not None:
+            self._check_tools()
+            self._tool_rollout.check_prompts([r["prompt"] for r in rows])
+        return rows
+
+    def _round_collector(self) -> RoundCollector:
+        """The trainers' round collector (tokenise, generate, score) over this trainer's settings."""
+        if self._collector is None:
+            cfg = self.config
+            self._collector = RoundCollector(
+                self.tokenizer, self.reward_funcs, cfg, max_new_tokens=lambda: cfg.max_completion_length,
+                prompt_limit=lambda: cfg.max_prompt_length, tool_rollout=self._tool_rollout, batch_cls=Rollout,
+                stream_scoring=False)
+        return self._collector
+
     def _collect(self, rows: list[dict], tokenized: tuple | None, engine: RolloutEngine, row_seeds: list[int] | None,
                  version: int | None) -> Collected:
         """Generate and score through the trainers' collector (the orchestrator's `collect`): reads no trainer
@@ -518,49 +345,42 @@ class Trainer:
         return c
 
     def _check_prefetch(self) -> None:
-        if self._sharded_rewards:
+        if self.roles.sharded_rewards:
             raise ValueError("reward models are sharded with the policy (FSDP2 / ZeRO-3) and score on the main "
                              "thread: set config.use_async_rollout = False.")
 
     def _finish(self, served: Round) -> Rollout:
-        """The trainer-dependent phases of a rollout, on the main thread with the current roles."""
+        """The algorithm's round on the main thread with the current roles: reference, values, old log-probs,
+        advantages; then the rollout's metrics."""
         if not self._layout_logged:  # once per run, when every role in use is laid out
             from hf_verl.engine.registry import describe_layout
 
-            roles = {name: self._role_engine(name) for name in ("actor", "critic", "reference")}
+            engines = {name: self.roles.engine(name) for name in ("actor", "critic", "reference")}
             if self.dims.is_main:
-                logger.info("hf_verl layout: %s", describe_layout(roles, self.engine))
+                logger.info("hf_verl layout: %s", describe_layout(
+                    {k: v for k, v in engines.items() if hasattr(v, "backend")}, self.engine))
             self._layout_logged = True
         if self.dims.replica_size > 1:  # the ranks of one data-parallel replica train on its first rank's rollout
             served = comm.broadcast_replica(self.dims, served)
         c, timings, cfg = served.collected, served.timings, self.config
         out = c.batch
-        kw = {"temperature": cfg.temperature if cfg.temperature > 0 else 1.0, "chunk_size": cfg.logprob_chunk_size,
-              "micro_batch": out.batch_size}
         with trace(out.meta["trace_id"]):
-            actor = self.actor_engine
-            t2 = time.perf_counter()
-            out.ref_logprobs = self._reference_logprobs(out)
-            t3 = time.perf_counter()
-            critic = self._role_engine("critic")
-            if critic is not None:
-                moved = self._into("critic", critic, out)
-                self._record("actor->critic", {"input_ids": moved.input_ids, "attention_mask": moved.attention_mask})
-                values = phases.critic_values(critic, moved, micro_batch=out.batch_size)
-                self._record("critic->rollout", {"values": values})
-                out.values = values.to(device=out.device, dtype=torch.float32) * out.completion_mask
-            t4 = time.perf_counter()
-            out.old_logprobs = phases.policy_logprobs(actor, out, **kw)
-            t5 = time.perf_counter()
-            self._advantages(out)
+            algorithm = self.algorithm
+            t0 = time.perf_counter()
+            algorithm.finish_round(out, c.rewards_per_func, self._algorithm_roles(), rows=c.rows,
+                                   reference_now=True, old_logprobs_now=True)
+            timings.update({"reference": 0.0, "critic": 0.0, "advantages": time.perf_counter() - t0})
+            timings.update(getattr(algorithm, "timings", {}))
+            if out.advantages.dim() == 1:  # the rollout's view: per token, as every estimator gives it
+                out.advantages = out.advantages.unsqueeze(1) * out.completion_mask.to(out.advantages.dtype)
             staleness = served.staleness
             out.meta.update(weights_step=served.weights_step, off_policy=served.off_policy or staleness > 0)
             out.validate()
-            timings.update(reference=t3 - t2, critic=t4 - t3, old_logprobs=t5 - t4)
             timings.setdefault("weight_sync", 0.0)
             timings.setdefault("rollout_wait", 0.0)
             num_truncated = -(-c.num_truncated // cfg.num_generations)  # distinct prompts
             m = self._rollout_metrics(out, c.rewards_per_func, timings, num_truncated)
+            m.update(algorithm.take_metrics())
             m.update({"rollout/staleness": staleness, "rollout/prefetched": float(served.prefetched)})
             # what the reward functions logged with log_metric (TRL's keyword)
             m.update({name: sum(v) / len(v) for name, v in c.reward_context.metrics.items() if v})
@@ -570,113 +390,6 @@ class Trainer:
                         "%.2fs", out.batch_size, m["reward/mean"], out.num_completion_tokens, staleness,
                         timings.get("rollout_wait", 0.0))
         return out
-
-    def _prompts(self, batch: Any) -> tuple[list, dict[str, list]]:
-        """Prompts and columns, each prompt repeated `num_generations` times (groups contiguous)."""
-        if batch is None:
-            batch = self._draw(self.config.rollout_batch_size)
-        if isinstance(batch, Mapping):
-            check_prompt_column(list(batch))
-            cols = {k: (v.tolist() if isinstance(v, torch.Tensor) else list(v)) for k, v in batch.items()}
-            prompts = cols.pop("prompt")
-        elif isinstance(batch, Sequence) and not isinstance(batch, str) and batch and all(
-                isinstance(r, Mapping) and "prompt" in r for r in batch):
-            prompts = [r["prompt"] for r in batch]
-            cols = {k: [r.get(k) for r in batch] for k in batch[0] if k != "prompt"}
-        elif isinstance(batch, Sequence) and not isinstance(batch, str) and batch:
-            prompts, cols = list(batch), {}
-        else:
-            raise ValueError(f"rollout() needs a non-empty list of prompts, a dict with a 'prompt' key, or None "
-                             f"with a dataset; got {type(batch).__name__}.")
-        G = self.config.num_generations
-        rep = lambda xs: [x for x in xs for _ in range(G)]  # noqa: E731
-        return rep(prompts), {k: rep(v) for k, v in cols.items()}
-
-    def _draw(self, n: int) -> list[dict]:
-        """This data-parallel rank's `n` rows of the next `n x dp_size` of the seeded dataset order."""
-        if self.dataset is None:
-            raise ValueError("rollout() was called without a batch and the Trainer has no dataset.")
-        dims = self.dims
-        rows = []
-        while len(rows) < n * dims.dp_size:
-            if not self._order:
-                g = torch.Generator().manual_seed(self.config.seed + self._epoch)
-                self._order = torch.randperm(len(self.dataset), generator=g).tolist()
-                self._epoch += 1
-            rows.append(self._order.pop())
-        mine = rows[dims.dp_rank * n : (dims.dp_rank + 1) * n]
-        return [dict(self.dataset[i]) for i in mine]
-
-    def _check_tools(self) -> None:
-        if self._tool_rollout is not None and not self._tools_checked:
-            self._tool_rollout.check_tokenizer(self.tokenizer)
-            self._tools_checked = True
-
-    def _rows(self, batch: Any) -> list[dict]:
-        """A batch as rows (`prompt` and the other columns), each repeated `num_generations` times; with tools the
-        prompts are checked against them here, on the main thread."""
-        prompts, columns = self._prompts(batch)
-        if self._tool_rollout is not None:
-            self._check_tools()
-            self._tool_rollout.check_prompts(prompts)
-        return [{"prompt": p, **{k: v[i] for k, v in columns.items()}} for i, p in enumerate(prompts)]
-
-    def _round_collector(self) -> RoundCollector:
-        """The trainers' round collector (tokenise, generate, score) over this trainer's settings."""
-        if self._collector is None:
-            from hf_verl.facade.rollout import Rollout as RolloutType
-
-            cfg = self.config
-            self._collector = RoundCollector(
-                self.tokenizer, self.reward_funcs, cfg, max_new_tokens=lambda: cfg.max_completion_length,
-                prompt_limit=lambda: cfg.max_prompt_length, tool_rollout=self._tool_rollout, batch_cls=RolloutType,
-                stream_scoring=False)
-        return self._collector
-
-    @torch.no_grad()
-    def _reference_logprobs(self, out: Rollout) -> torch.Tensor | None:
-        cfg = self.config
-        if cfg.beta == 0.0:
-            return None
-        kw = {"temperature": cfg.temperature if cfg.temperature > 0 else 1.0, "chunk_size": cfg.logprob_chunk_size,
-              "micro_batch": out.batch_size}
-        reference = self._remote_reference or self._role_engine("reference")
-        if reference is None:
-            return phases.reference_logprobs(None, self.actor_engine, out, **kw)
-        moved = self._into("reference", reference, out)
-        self._record("actor->reference", {"input_ids": moved.input_ids, "attention_mask": moved.attention_mask})
-        lp = phases.reference_logprobs(reference, self.actor_engine, moved, cross=self._reference_cross(), **kw)
-        self._record("reference->rollout", {"ref_logprobs": lp})
-        return lp.to(device=out.device, dtype=torch.float32)
-
-    def _estimator(self) -> str:
-        name = self.config.advantage_estimator
-        if name == "auto":
-            return "gae" if self.critic is not None else "grpo"
-        if name == "gae" and self.critic is None:
-            raise ValueError(f"advantage_estimator 'gae' needs a critic: pass critic_model=, or pick a critic-free "
-                             f"estimator {CRITIC_FREE_CHOICES}.")
-        if name != "gae" and self.critic is not None:
-            raise ValueError(f"advantage_estimator {name!r} does not use the critic; set advantage_estimator='gae' "
-                             "(or 'auto'), or drop critic_model.")
-        return name
-
-    def _advantages(self, out: Rollout) -> None:
-        """Fill `advantages` (and `token_rewards` / `returns`) with the configured estimator, over the
-        data-parallel round."""
-        cfg, name, dims = self.config, self._estimator(), self.dims
-        mask = out.completion_mask
-        if name == "gae":
-            from hf_verl.algorithms.estimators import token_level_rewards
-
-            out.token_rewards, _ = token_level_rewards(out.rewards, mask)
-        adv, returns = phases.advantages(dims, name, scores=out.rewards, mask=mask, num_generations=cfg.num_generations,
-                                         gamma=cfg.gamma, lam=cfg.lam, values=out.values, token_rewards=out.token_rewards,
-                                         scale_rewards=cfg.scale_rewards)
-        if name == "gae" and cfg.whiten_advantages:
-            adv = phases.global_masked_whiten(dims, adv, mask) * mask.to(adv.dtype)
-        out.advantages, out.returns = adv, returns
-        self._record("advantages->rollout", {"advantages": adv, "returns": returns})
 
     def _rollout_metrics(self, out: Rollout, per_func: torch.Tensor, timings: dict, num_truncated: int) -> dict:
         plen = out.prompt_mask.sum(-1).float()
@@ -706,11 +419,11 @@ class Trainer:
     def compute_loss(self, rollout: Rollout) -> torch.Tensor:
         """The scalar loss of `rollout` (or of a mini-batch from `rollout.split(n)`), with its backward done.
 
-        PPO-clip policy loss, plus `vf_coef` x clipped value loss with a critic, `beta` x KL to the
-        reference, minus `entropy_coef` x entropy, aggregated per `loss_type` (the token-mean modes
-        over the tokens of every data-parallel rank). Each role's engine runs the forward and the backward of its
-        part (`engine.forward_backward`); gradients accumulate over `compute_loss` calls until `step`. Each term
-        is in the metrics `step` returns.
+        The algorithm's loss (the configured policy loss, plus `beta` x the KL to the reference, minus
+        `entropy_coef` x the entropy, aggregated per `loss_type` over the tokens of every data-parallel rank; with a
+        critic, `vf_coef` x its clipped value loss). Each role's engine runs the forward and the backward of its part
+        (`engine.forward_backward`); gradients accumulate over `compute_loss` calls until `step`. Each term is in the
+        metrics `step` returns (`loss/policy`, `loss/value`, `loss/total`, and the algorithm's own).
 
         Returns:
             `torch.Tensor`: the loss value (detached: the engines have already backpropagated it).
@@ -718,34 +431,28 @@ class Trainer:
         Raises:
             FloatingPointError: a loss that is not finite (the gradients of this call are discarded).
         """
-        cfg = self.config
         with trace(rollout.trace_id or new_trace_id()):
             self._record("rollout->actor", rollout.tensor_fields())
-            actor = self.actor_engine
-            actor.train()
-            normalizer = phases.global_token_count(self.dims, rollout.completion_mask) / self.dims.dp_size
-            m: dict[str, Any] = {}
-            if rollout.meta.get("off_policy"):
-                m.update(self._importance_weights(rollout))
-            if cfg.beta > 0 and rollout.ref_logprobs is None:
-                rollout.ref_logprobs = self._reference_logprobs(rollout)
-            rollout.loss_inputs = LossInputs(loss_normalizer=normalizer, token_normalizer=normalizer)
-            request = LogProbs(temperature=cfg.temperature if cfg.temperature > 0 else 1.0,
-                               chunk_size=cfg.logprob_chunk_size, with_entropy=True)
-            phases.set_entropy_thresholds(actor, self.dims, [rollout], request, cfg.top_entropy_quantile)
-            policy = actor.forward_backward([rollout], self._policy_loss, forward=request)
-            m.update(policy.metrics[0])
-            loss = policy.losses[0]
-            critic = self._role_engine("critic")
-            if critic is not None:
-                critic.train()
-                moved = self._into("critic", critic, rollout)
-                value = critic.forward_backward([moved], self._value_loss, forward=Values())
-                m.update(value.metrics[0])
-                loss = loss + value.losses[0].to(loss.device)
+            algorithm, roles = self.algorithm, self._algorithm_roles()
+            for engine in (roles.actor, roles.critic):
+                if engine is not None:
+                    engine.train()
+            off_policy = bool(rollout.meta.get("off_policy"))
+            algorithm.prepare([rollout], roles, off_policy=off_policy, recompute_old=True)
+            results = algorithm.step([rollout], roles, loss_scale=1.0, global_step=self.global_step)
+            m: dict[str, Any] = algorithm.take_metrics()
+            if off_policy and not any(k.startswith("sampling/") for k in m) and not self._no_logprobs_logged:
+                self._no_logprobs_logged = True
+                logger.info("the rollout engine returned no sampling log-probs: the importance-sampling correction "
+                            "of off-policy rollouts is skipped")
+            loss = results[0].losses[0]
+            m["loss/policy"] = m[algorithm.policy_metric]  # the policy term (the facade's name for it)
+            if len(results) > 1:
+                m["loss/value"] = m[algorithm.value_metric]
+                loss = loss + results[1].losses[0].to(loss.device)
             m["loss/total"] = loss.item()
             if not torch.isfinite(loss):
-                for engine in (actor, critic):
+                for engine in (roles.actor, roles.critic):
                     if engine is not None:
                         engine.zero_grad()
                 raise FloatingPointError(f"the loss is {loss.item()} (terms: {m}); its gradients were discarded.")
@@ -753,50 +460,15 @@ class Trainer:
             logger.info("compute_loss: total %.4f, policy %.4f", m["loss/total"], m["loss/policy"])
         return loss
 
-    def _policy_loss(self, out: PolicyOutput, rollout: Rollout):
-        """The actor's loss of one rollout and its metrics (no collective: see `rollout.loss_inputs`)."""
-        cfg, inputs = self.config, rollout.loss_inputs
-        policy, st = losses.policy_loss(
-            out.logp, rollout, loss=losses.loss_form(cfg), params=losses.loss_params(cfg), loss_type=cfg.loss_type,
-            normalizer=inputs.loss_normalizer, max_completion_length=cfg.max_completion_length, kl_coef=cfg.beta,
-            kl_estimator=cfg.kl_estimator, kl_bias_correction=cfg.use_bias_correction_kl, entropy=out.entropy,
-            entropy_coef=cfg.entropy_coef, entropy_normalizer=inputs.token_normalizer,
-            entropy_threshold=inputs.entropy_threshold, off_policy_threshold=cfg.off_policy_mask_threshold)
-        m = {"loss/policy": st["policy"], "entropy": st["entropy"], "clip_ratio": st["clip_region"]}
-        if cfg.beta > 0:
-            m["kl"] = st["kl"]
-        return policy, m
-
-    def _value_loss(self, values: torch.Tensor, rollout: Rollout):
-        """`vf_coef` x the critic's clipped value loss of one rollout, and its metrics."""
-        cfg = self.config
-        values = values.float().to(rollout.device)
-        value, vst = losses.value_loss(values, rollout, clip=cfg.cliprange_value,
-                                       normalizer=rollout.loss_inputs.loss_normalizer)
-        return cfg.vf_coef * value, {"loss/value": vst["value"], "value/clip_frac": vst["clip_frac"]}
-
-    def _importance_weights(self, rollout: Rollout) -> dict[str, Any]:
-        """Truncated / masked IS weights of an off-policy rollout (behaviour = the engine's sampling
-        log-probs, target = the actor's old log-probs) into its meta, and TRL's `sampling/*` metrics."""
-        cfg = self.config
-        stats = phases.attach_importance_weights(
-            rollout, mode=cfg.vllm_importance_sampling_mode, clip_min=cfg.vllm_importance_sampling_clip_min,
-            clip_max=cfg.vllm_importance_sampling_clip_max, correct=cfg.vllm_importance_sampling_correction)
-        if not stats and not getattr(self, "_no_logprobs_logged", False):
-            self._no_logprobs_logged = True
-            logger.info("the rollout engine returned no sampling log-probs: the importance-sampling correction of "
-                        "off-policy rollouts is skipped")
-        return stats
-
     def _on_config_change(self, name: str, old: Any, new: Any) -> None:
-        if name == "ddp_timeout" and self._layout is not None:
+        if name == "ddp_timeout" and self.roles.launched:
             watchdog.start(new)
-        if name in ("model_size", "parallel") and self._layout is not None:
+        if name in ("model_size", "parallel") and self.roles.launched:
             logger.warning("config.%s changed after the roles were laid out (%s): the layout is planned once, before "
-                           "anything is loaded; set it before the first rollout", name, self._layout[0].label)
+                           "anything is loaded; set it before the first rollout", name, self.roles.launch()[0].label)
         cfg = self.config
-        actor, critic = self._engines.get("actor"), self._engines.get("critic")
-        updates: list[tuple[TrainingEngine | None, str, Any]] = []
+        actor, critic = self.roles.engines.get("actor"), self.roles.engines.get("critic")
+        updates: list[tuple[Any, str, Any]] = []
         if name == "learning_rate":
             updates.append((actor, "lr", new))
             if cfg.critic_learning_rate is None:
@@ -834,12 +506,14 @@ class Trainer:
             m: dict[str, Any] = dict(rollout.metrics) if rollout is not None else {}
             m.update(self._loss_metrics)
             actor = self.actor_engine
+            self.algorithm.end_step(self.dims)
             m["grad_norm/actor"] = actor.optimizer_step()
             m["lr/actor"] = actor.last_lr()[0]
-            critic = self._role_engine("critic")
+            critic = self.roles.engine("critic")
             if critic is not None:
                 m["grad_norm/critic"] = critic.optimizer_step()
                 m["lr/critic"] = critic.last_lr()[0]
+            m.update(self.algorithm.take_metrics())
             self.global_step += 1
             watchdog.set_step(self.global_step + 1)
             self._rounds.after_step()  # never while it generates: then synced before its next generation
@@ -857,7 +531,7 @@ class Trainer:
         self.actor_engine.save_pretrained(output_dir)
         if self.dims.is_main:
             self.tokenizer.save_pretrained(output_dir)
-        critic = self._role_engine("critic")
+        critic = self.roles.engine("critic")
         if critic is not None:
             critic.save_pretrained(os.path.join(output_dir, "critic"))
 

@@ -20,14 +20,12 @@ import torch
 from hf_verl.algorithms.kl import kl_penalty
 from hf_verl.algorithms.policy_loss import TRL_LOSS_TYPES, aggregate_loss, masked_mean
 from hf_verl.algorithms.policy_losses import (
-    POLICY_LOSSES,
     PolicyLossParams,
     high_entropy_mask,
     log_importance_weights,
     off_policy_sequence_mask,
-    resolve_policy_loss,
-    vespo_loss,
 )
+from hf_verl.algorithms.registry import POLICY_LOSSES, resolve_policy_loss
 from hf_verl.data.batch import RolloutBatch
 
 
@@ -85,22 +83,23 @@ def policy_loss(logp: torch.Tensor, batch: RolloutBatch, *, loss: str = "clip",
         `approx_kl`, `ratio` and the loss's own statistics (masked means, detached).
     """
     params = params or PolicyLossParams()
-    if loss not in POLICY_LOSSES:
+    spec = POLICY_LOSSES.get(loss)
+    if spec is None:  # a resolved name (an alias resolves elsewhere: "cispo" here is TRL's capped form)
         raise ValueError(f"unknown policy loss {loss!r}; choose one of {tuple(POLICY_LOSSES)}.")
     mask = batch.completion_mask
     if normalizer is None:
         normalizer = float(mask.sum().item())
     old = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
     is_weights = batch.is_weights
-    if loss == "bypass_mode":  # against the engine's own log-probs; its weights replace the IS correction
+    if spec.behaviour == "sampling":  # against the engine's own log-probs; its weights replace the IS correction
         if batch.sampling_logprobs is None:
-            raise ValueError("policy loss 'bypass_mode' needs the rollout engine's log-probs (sampling_logprobs).")
+            raise ValueError(f"policy loss {spec.name!r} needs the rollout engine's log-probs (sampling_logprobs).")
         old, is_weights = batch.sampling_logprobs, None
-    if loss == "vespo":
-        per_token, extra = vespo_loss(logp, old, batch.advantages, mask, params, is_ratio=is_weights)
+    if spec.importance_weights == "argument":  # the loss folds the weights in itself (VESPO's sequence ratio)
+        per_token, extra = spec(logp, old, batch.advantages, mask, params, is_weights=is_weights)
     else:
-        per_token, extra = POLICY_LOSSES[loss](logp, old, batch.advantages, mask, params)
-        if is_weights is not None and loss == "geo_mean":  # the sequence's geometric mean of the weights
+        per_token, extra = spec(logp, old, batch.advantages, mask, params)
+        if is_weights is not None and spec.importance_weights == "geometric_mean":  # the sequence's geometric mean
             maskf = mask.to(per_token.dtype)
             log_w = (torch.log(is_weights.expand_as(maskf) + 1e-10) * maskf).sum(-1, keepdim=True)
             per_token = per_token * torch.exp(log_w / (maskf.sum(-1, keepdim=True) + 1e-8))

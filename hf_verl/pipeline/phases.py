@@ -9,26 +9,20 @@ on one process as split over several. Forward passes run `micro_batch` rows at a
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-from hf_verl.algorithms.estimators import (
-    CRITIC_FREE_ESTIMATORS,
-    compute_advantages,
-    masked_whiten,
-    token_level_rewards,
-)
+from hf_verl.algorithms.estimators import masked_whiten, token_level_rewards
 from hf_verl.algorithms.importance import importance_weights
 from hf_verl.algorithms.policy_losses import entropy_quantile
+from hf_verl.algorithms.registry import get_advantage_estimator
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.step import LogProbs, SamplingStatistics, Values
 from hf_verl.parallel import comm, watchdog
 from hf_verl.parallel.dims import ParallelDims
 from hf_verl.pipeline.cross_tokenizer import CrossTokenizer
-
-# estimators whose statistics span the round (groups, batch whitening): computed on gathered rows
-GLOBAL_ESTIMATORS = CRITIC_FREE_ESTIMATORS
 
 
 def policy_logprobs(actor: TrainingEngine, batch: RolloutBatch, *, temperature: float, chunk_size: int,
@@ -91,47 +85,59 @@ def global_masked_whiten(dims: ParallelDims, values: torch.Tensor, mask: torch.T
     return whitened if shift_mean else whitened + mean
 
 
+# estimator inputs with one row per completion: gathered over the data-parallel ranks for a batch-wide estimator
+_ROW_INPUTS = ("greedy_scores", "scores_per_func")
+_TOKEN_INPUTS = ("values", "old_logprobs", "sum_pi_squared")
+
+
 @watchdog.phase("advantages", role="actor")
 def advantages(dims: ParallelDims, estimator: str, *, scores: torch.Tensor, mask: torch.Tensor,
-               num_generations: int | None, gamma: float = 1.0, lam: float = 0.95,
-               values: torch.Tensor | None = None, token_rewards: torch.Tensor | None = None,
-               greedy_scores: torch.Tensor | None = None, scale_rewards: str = "group",
-               scores_per_func: torch.Tensor | None = None, reward_weights=None,
-               old_logprobs: torch.Tensor | None = None,
-               sum_pi_squared: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`(advantages (B, C), returns (B, C) or None)` of this rank's rows with `estimator`.
+               num_generations: int | None, token_rewards: torch.Tensor | None = None,
+               **inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(advantages (B, C), returns (B, C) or None)` of this rank's rows with the registered `estimator`
+    (:mod:`hf_verl.algorithms.registry`).
 
-    Per-sequence estimators (`gae`) run on the local rows; group and batch estimators run on the rows
-    of every data-parallel rank (a group may span ranks) and return this rank's slice.
+    `token_rewards` default to the score on the last completion token. A per-sequence estimator (`gae`) runs on the
+    local rows; a batch-wide one (every group estimator, whitening, a user's unless registered `per_sequence`) runs
+    on the rows of every data-parallel rank (a group may span ranks) and returns this rank's slice. `inputs` are the
+    estimator's other keyword inputs (`values`, `gamma`, `lam`, `greedy_scores`, `scale_rewards`, ...).
     """
-    if estimator not in GLOBAL_ESTIMATORS:
+    spec = get_advantage_estimator(estimator)
+    if spec.per_sequence or dims.dp_size == 1:
         if token_rewards is None:
             token_rewards, _ = token_level_rewards(scores, mask)
-        return compute_advantages(estimator, scores=scores, token_rewards=token_rewards, values=values, mask=mask,
-                                  num_generations=num_generations, gamma=gamma, lam=lam)
+        return spec(scores=scores, mask=mask, num_generations=num_generations, token_rewards=token_rewards, **inputs)
     n, width = mask.shape
     all_scores = comm.gather_rows(dims, scores)
     all_mask = comm.gather_padded(dims, mask, dim=1)
-    all_greedy = comm.gather_rows(dims, greedy_scores) if greedy_scores is not None else None
-    all_tokens = None
-    if token_rewards is not None:
-        all_tokens = comm.gather_padded(dims, token_rewards, dim=1)
-    elif estimator in ("reinforce_plus_plus", "optimal_token_baseline", "tir_optimal_token_baseline"):
+    if token_rewards is None:
         all_tokens, _ = token_level_rewards(all_scores, all_mask)
-    all_per_func = comm.gather_rows(dims, scores_per_func) if scores_per_func is not None else None
-    adv, _ = compute_advantages(estimator, scores=all_scores, token_rewards=all_tokens, mask=all_mask,
-                                num_generations=num_generations, gamma=gamma, greedy_scores=all_greedy,
-                                scale_rewards=scale_rewards, scores_per_func=all_per_func,
-                                reward_weights=reward_weights,
-                                old_logprobs=None if old_logprobs is None else comm.gather_padded(dims, old_logprobs),
-                                sum_pi_squared=None if sum_pi_squared is None else comm.gather_padded(
-                                    dims, sum_pi_squared))
-    return comm.local_rows(dims, adv, n)[:, :width], None
+    else:
+        all_tokens = comm.gather_padded(dims, token_rewards, dim=1)
+    gathered = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor) and name in _ROW_INPUTS:
+            value = comm.gather_rows(dims, value)
+        elif isinstance(value, torch.Tensor) and name in _TOKEN_INPUTS:
+            value = comm.gather_padded(dims, value, dim=1)
+        gathered[name] = value
+    adv, returns = spec(scores=all_scores, mask=all_mask, num_generations=num_generations, token_rewards=all_tokens,
+                        **gathered)
+    adv = comm.local_rows(dims, adv, n)[:, :width]
+    return adv, None if returns is None else comm.local_rows(dims, returns, n)[:, :width]
 
 
 def global_token_count(dims: ParallelDims, mask: torch.Tensor) -> float:
     """Completion tokens of `mask` summed over the data-parallel ranks."""
     return float(comm.reduce(dims, mask.sum().to(torch.float64).reshape(1), "sum").item())
+
+
+def micro_batch_token_counts(dims: ParallelDims, micro_batches: list[RolloutBatch]) -> list[float]:
+    """Per micro-batch: completion tokens of the same micro-batch on every data-parallel rank (a float count).
+    A token-mean loss divided by the count over the data-parallel size, averaged over ranks by the gradient
+    reduction, is the token mean of the global micro-batch, whatever the layout."""
+    counts = torch.tensor([float(mb.completion_mask.sum()) for mb in micro_batches], dtype=torch.float64)
+    return comm.reduce(dims, counts, "sum").tolist()
 
 
 def attach_importance_weights(batch: RolloutBatch, *, mode: str, clip_min: float | None, clip_max: float | None,

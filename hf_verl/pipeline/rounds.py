@@ -15,6 +15,7 @@ lacks keeps the sampler's default.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,18 +26,13 @@ import torch
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.data.prompts import pretokenized_prompts, tokenize_prompts
 from hf_verl.pipeline import generation
-from hf_verl.pipeline.tool_rollout import engine_context_length
-from hf_verl.rewards.callables import RewardCallContext
-from hf_verl.rollout.base import GENERATION_KWARGS, RolloutEngine, SamplingParams, apply_generation_kwargs
-
-
-def split_generation_kwargs(kwargs: dict | None) -> tuple[dict, dict]:
-    """TRL's `generation_kwargs` as `(the sampling settings every engine honours, the rest)`; the rest are
-    `transformers.GenerationConfig` fields (beam search, n-gram blocking, ...) that only the transformers engine
-    takes, passing them to `model.generate` (the configs refuse them with vLLM)."""
-    kwargs = dict(kwargs or {})
-    known = {k: v for k, v in kwargs.items() if k in GENERATION_KWARGS}
-    return known, {k: v for k, v in kwargs.items() if k not in known}
+from hf_verl.rewards.callables import RewardCallContext, combine_rewards
+from hf_verl.rollout.base import (  # noqa: F401 (split_generation_kwargs: importable from here too)
+    RolloutEngine,
+    SamplingParams,
+    apply_generation_kwargs,
+    split_generation_kwargs,
+)
 
 
 def sampling_params(settings: Any, max_new_tokens: int) -> SamplingParams:
@@ -148,7 +144,7 @@ class RoundCollector:
                 engine, rows, self.tokenizer, sampling, reward_funcs, columns, device=device, row_seeds=row_seeds,
                 max_prompt_length=self.prompt_limit(), version=version, batch_cls=self.batch_cls,
                 chat_template_kwargs=getattr(self.settings, "chat_template_kwargs", None),
-                max_context_length=engine_context_length(engine),
+                max_context_length=engine.max_model_len,
                 max_iterations=getattr(self.settings, "max_tool_calling_iterations", None))
             return Collected(rows, result.batch.pad_to_multiple(pad_multiple, pad_id), result.rewards_per_func,
                              result.num_truncated, {"generate": result.generate_s, "reward": result.reward_s},
@@ -167,3 +163,22 @@ class RoundCollector:
             timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}
         return Collected(rows, batch.pad_to_multiple(pad_multiple, pad_id), rewards_per_func, tok.num_truncated,
                          timings, context)
+
+    @torch.no_grad()
+    def greedy_scores(self, batch: RolloutBatch, rows: list[dict], engine: RolloutEngine,
+                      reward_weights: Sequence[float] | None) -> torch.Tensor:
+        """ReMax's baseline: the combined reward of one greedy completion per distinct prompt of `batch`, `(N,)`
+        (each row gets its prompt's), generated on `engine` with the round's other sampling settings."""
+        keys = [tuple(p) for p in batch.meta["prompt_ids"]]
+        first: dict[tuple, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        unique = list(first.values())
+        sampling = dataclasses.replace(self.sampling(), temperature=0.0)
+        out = engine.generate([batch.meta["prompt_ids"][i] for i in unique], sampling)
+        texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        scores = generation.score_texts(self.reward_funcs, [batch.meta["prompts"][i] for i in unique], texts,
+                                        out.completion_ids, generation.row_columns([rows[i] for i in unique]))
+        combined = combine_rewards(scores, reward_weights).to(batch.device)
+        where = {k: j for j, k in enumerate(first)}
+        return combined[torch.tensor([where[k] for k in keys], device=batch.device)]

@@ -7,8 +7,8 @@ Three cases, decided here once for both front-ends:
   copied, the engine's weight version is bumped;
 - every rank has its own engine (in-process vLLM, a transformers engine on a replica of a sharded
   actor): every rank streams the actor's full HF-named tensors into it, one bucket at a time;
-- one shared server for all ranks (:class:`~hf_verl.rollout.remote.RemoteEngine`): the main rank
-  streams; on a sharded actor the other ranks still walk the buckets, since gathering each shard is a
+- one shared server for all ranks (an engine whose `serves_every_rank` is set, such as
+  :class:`~hf_verl.rollout.remote.RemoteEngine`): the main rank streams; on a sharded actor the other ranks still walk the buckets, since gathering each shard is a
   collective.
 
 The actor's export (:meth:`~hf_verl.engine.base.TrainingEngine.export_weights`) gathers FSDP2
@@ -31,13 +31,6 @@ def shares_actor_weights(engine: RolloutEngine, actor: TrainingEngine) -> bool:
     return actor.shares_weights_with(getattr(engine, "model", None))
 
 
-def is_shared_server(engine: RolloutEngine) -> bool:
-    """Whether one engine serves every rank (a remote server), so that only the main rank sends."""
-    from hf_verl.rollout.remote import RemoteEngine
-
-    return isinstance(engine, RemoteEngine)
-
-
 @watchdog.phase("weight_sync", role="actor")
 def sync_weights(actor: TrainingEngine, engine: RolloutEngine) -> float:
     """Bring `engine` to the actor's current weights (see the module docstring); returns seconds spent.
@@ -50,12 +43,12 @@ def sync_weights(actor: TrainingEngine, engine: RolloutEngine) -> float:
         return time.perf_counter() - t0
     bucket = getattr(engine, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
     dims = actor.dims
-    if is_shared_server(engine) and not dims.is_main:
+    if engine.serves_every_rank and not dims.is_main:
         if not actor.holds_full_weights:
             for _ in actor.export_weights(bucket):  # gathering is collective: walk the buckets, send nothing
                 pass
     else:
         engine.sync_weights(pair for part in actor.export_weights(bucket) for pair in part)
-    if is_shared_server(engine):
+    if engine.serves_every_rank:
         comm.barrier(dims)  # no rank generates on the server before the update is in
     return time.perf_counter() - t0

@@ -52,23 +52,6 @@ ENVIRONMENT_COLUMN = "environment"  # the row column that picks an environment w
 _OWN = object()  # `generate_and_score(max_iterations=...)` not given: the ToolRollout's own
 
 
-def engine_context_length(engine: RolloutEngine) -> int | None:
-    """The most tokens (prompt and completion) `engine` can hold, where it says so: an engine's
-    `max_model_len`, vLLM's model config, or a transformers model's `max_position_embeddings`."""
-    length = getattr(engine, "max_model_len", None)
-    if length is None and getattr(engine, "llm", None) is not None:  # in-process vLLM
-        try:
-            length = engine.llm.llm_engine.model_config.max_model_len
-        except AttributeError:
-            length = None
-    if length is None and getattr(engine, "model", None) is not None:  # transformers
-        config = getattr(engine.model, "config", None)
-        if config is not None and hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        length = getattr(config, "max_position_embeddings", None)
-    return int(length) if isinstance(length, int) and length > 0 else None
-
-
 def _environment_reward(env_type: type) -> Callable:
     """A reward function scoring the rows whose environment is exactly `env_type` by its `get_reward()`."""
     if inspect.iscoroutinefunction(env_type.get_reward):

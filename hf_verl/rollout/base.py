@@ -40,6 +40,15 @@ def check_generation_kwargs(kwargs: dict) -> None:
                          f"{sorted(GENERATION_KWARGS)}.")
 
 
+def split_generation_kwargs(kwargs: dict | None) -> tuple[dict, dict]:
+    """TRL's `generation_kwargs` as `(the sampling settings every engine honours, the rest)`; the rest are
+    `transformers.GenerationConfig` fields (beam search, n-gram blocking, ...) that only the transformers engine
+    takes, passing them to `model.generate` (the configs refuse them with vLLM)."""
+    kwargs = dict(kwargs or {})
+    known = {k: v for k, v in kwargs.items() if k in GENERATION_KWARGS}
+    return known, {k: v for k, v in kwargs.items() if k not in known}
+
+
 def apply_generation_kwargs(sampling: SamplingParams, kwargs: dict | None) -> SamplingParams:
     """`sampling` with the `generation_kwargs` overrides applied (they win over the config's fields, as in TRL)."""
     if not kwargs:
@@ -164,8 +173,22 @@ class RolloutEngine(abc.ABC):
     generation so that asynchronous rollout can bound staleness.
     """
 
+    serves_every_rank: bool = False
+    """Whether one engine (a server) serves every rank: weight sync then sends from the main rank only."""
+
     def __init__(self) -> None:
         self._weight_version = 0
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The most tokens (prompt and completion) the engine can hold; None where it does not say (a server).
+        A transformers engine answers its model's `max_position_embeddings`, vLLM its own context length."""
+        model = getattr(self, "model", None)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        length = getattr(config, "max_position_embeddings", None)
+        return int(length) if isinstance(length, int) and length > 0 else None
 
     @property
     def weight_version(self) -> int:

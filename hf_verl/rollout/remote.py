@@ -68,6 +68,8 @@ class RemoteEngine(RolloutEngine):
         bucket_bytes (`int`, defaults to 256 MiB): weight-sync bucket size.
     """
 
+    serves_every_rank = True  # one server for every rank: the main rank sends the weights
+
     def __init__(self, base_url: str, *, model: str | None = None, token: str | None = None, timeout_s: float = 120.0,
                  max_retries: int = 3, backoff_s: float = 0.5, max_concurrency: int = 8, prompts_per_request: int = 16,
                  bucket_bytes: int = 256 * 2**20, backend: str = "hf_verl", shared_dir: str | None = None) -> None:

@@ -86,6 +86,12 @@ class VLLMEngine(RolloutEngine):
         engine._tmpdir = tmp
         return engine
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's context length, as vLLM resolved it (the one read of vLLM's engine internals: there is no
+        public accessor on `LLM`)."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                  row_seeds: Sequence[int] | None = None) -> GenerationOutput:
         from vllm import SamplingParams as VLLMSampling
@@ -191,3 +197,35 @@ def write_model_dir(model, tokenizer, path: str) -> None:
             seen.add(key)
             tensors[name] = tensor.contiguous()
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def colocate_max_model_len(settings, model_config, max_new_tokens: int) -> int:
+    """The context length of a colocated vLLM engine: `settings.vllm_max_model_length`, else the longest prompt
+    (`max_prompt_length`, 512 when None) plus completion, never more than the model's positions
+    (`max_position_embeddings`).
+
+    Raises:
+        ValueError: an explicit `vllm_max_model_length` beyond the model's positions, or a completion
+            limit alone that does not fit them, naming the fields to change.
+    """
+    positions = getattr(model_config, "max_position_embeddings", None)
+    max_len = getattr(settings, "vllm_max_model_length", None)
+    max_prompt = getattr(settings, "max_prompt_length", None)
+    if max_len is not None:
+        if positions is not None and max_len > positions:
+            raise ValueError(
+                f"vllm_max_model_length={max_len} exceeds the model's {positions} positions "
+                f"(max_position_embeddings): set vllm_max_model_length <= {positions}.")
+        return max_len
+    wanted = (max_prompt or 512) + max_new_tokens
+    if positions is None or wanted <= positions:
+        return wanted
+    if max_new_tokens >= positions:
+        raise ValueError(
+            f"the completion limit ({max_new_tokens} tokens) leaves no room for a prompt in the model's {positions} "
+            "positions (max_position_embeddings): lower max_completion_length (GRPO) / response_length (PPO).")
+    logger.warning(
+        "max_prompt_length (%s) + max_completion_length (%d) = %d exceeds the model's %d positions: the vLLM "
+        "engine is limited to %d tokens (set max_prompt_length <= %d, or vllm_max_model_length, to decide "
+        "yourself)", max_prompt, max_new_tokens, wanted, positions, positions, positions - max_new_tokens)
+    return positions

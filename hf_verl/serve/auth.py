@@ -13,9 +13,8 @@ import hmac
 import ipaddress
 import os
 
+from hf_verl.rollout.registry import SERVE_TOKEN_ENV as TOKEN_ENV  # one name for the clients and the server
 from hf_verl.serve.errors import ServeError
-
-TOKEN_ENV = "HF_VERL_SERVE_TOKEN"
 
 
 def is_loopback(host: str) -> bool:

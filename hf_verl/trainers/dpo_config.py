@@ -35,6 +35,8 @@ def _help(text: str) -> Any:
 class DPOConfig(ModelParallelArguments, ParallelArguments, TrainingArguments):
     """Configuration of :class:`~hf_verl.DPOTrainer` (a `transformers.TrainingArguments`); see the module docstring."""
 
+    _placement_roles = ("reference",)  # what `placement` may place (a class attribute)
+
     learning_rate: float = field(default=1e-6, metadata=_help("AdamW learning rate (TRL's default)."))
     logging_steps: float = field(default=10, metadata=_help("Log every N steps."))
     gradient_checkpointing: bool = field(default=True, metadata=_help("Activation checkpointing (TRL's default)."))

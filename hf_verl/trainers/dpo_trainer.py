@@ -43,8 +43,7 @@ from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.step import ForwardRequest, TokenQuery
 from hf_verl.engine.model_options import router_aux_loss
 from hf_verl.parallel import comm
-from hf_verl.parallel.sharded_load import loaded_sharded, reference_copy, state_sums
-from hf_verl.pipeline.prefetch import frozen_copy
+from hf_verl.parallel.sharded_load import loaded_sharded, state_sums
 from hf_verl.trainers.dpo_config import DPOConfig
 from hf_verl.trainers.engine_glue import (
     EngineTrainerMixin,
@@ -243,9 +242,14 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
         # log-probs are precomputed, the policy itself before its first step (as TRL: no copy is kept); else a
         # frozen copy of the policy
         layout = launch_layout(args.world_size, args)
+        builder = self._role_builder(args, layout, has_reference=True)
+        if builder.remote_url("reference") is not None:
+            raise ValueError("DPOConfig.placement['reference'] is a URL, but a served reference scores rollout "
+                             "completions only, not DPO's chosen / rejected pairs: place the reference on a backend "
+                             "('colocated', 'ddp', 'fsdp2', 'zero1', 'zero2', 'zero3') or precompute its log-probs "
+                             "(precompute_ref_log_probs=True).")
         if ref_model is None and not self.is_peft and not args.precompute_ref_log_probs:
-            ref_model = (reference_copy(model, layout, bf16=bool(args.bf16), fp16=bool(args.fp16))
-                         if loaded_sharded(model) else frozen_copy(model))
+            ref_model = builder.reference_model(model, bf16=bool(args.bf16), fp16=bool(args.fp16))
         elif ref_model is not None:
             ref_model = ref_model.eval().requires_grad_(False)
         self.ref_model = ref_model
@@ -273,9 +277,8 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         if self.ref_model is not None and not loaded_sharded(self.ref_model):
             self.ref_model.to(self.accelerator.device)
-        self._init_engines(layout)
-        self.reference = None if self.ref_model is None else self._make_engine(self.ref_model, "reference",
-                                                                               trainable=False)
+        self._init_engines(builder)
+        self.reference = builder.reference(self.ref_model)
         self.model_accepts_loss_kwargs = False
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         if args.precompute_ref_log_probs:

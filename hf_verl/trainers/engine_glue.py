@@ -25,9 +25,10 @@ import torch
 
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.module import EngineModule
-from hf_verl.engine.registry import RoleLayout, launch_role_layout, make_engine
+from hf_verl.engine.registry import RoleLayout, launch_role_layout
 from hf_verl.engine.step import OptimizerSpec, SchedulerSpec, StepResult
 from hf_verl.parallel import watchdog
+from hf_verl.pipeline.role_builder import RoleBuilder
 from hf_verl.trainers.rollout_args import RolloutArguments
 
 logger = logging.getLogger(__name__)
@@ -263,11 +264,27 @@ class EngineTrainerMixin:
         merged = list(dict.fromkeys([*self._tag_names, *extra]))
         return super().create_model_card(model_name=model_name, tags=merged or None, **kwargs)
 
-    def _init_engines(self, layout: RoleLayout | None = None) -> None:
-        if layout is None:
-            layout = launch_layout(self.accelerator.num_processes, self.args)
-        self.layout = layout
-        self.backend, self.dims = layout.backend, layout.dims
+    def _role_builder(self, args: Any, layout: RoleLayout, *, has_reference: bool, has_critic: bool = False
+                      ) -> RoleBuilder:
+        """The run's :class:`~hf_verl.pipeline.role_builder.RoleBuilder` (the facade's too), on the launch's layout
+        and the config's `placement`, checked against the roles this trainer has. The accelerator is attached by
+        :meth:`_init_engines`, once the Trainer has made it."""
+        from hf_verl.engine.registry import ENGINES
+        from hf_verl.pipeline.placement import check_placement
+        from hf_verl.trainers.model_parallel_args import TRL_ARGUMENTS
+
+        placement = check_placement(getattr(args, "placement", None), has_reference=has_reference,
+                                    has_critic=has_critic, world_size=layout.dims.world_size, engines=tuple(ENGINES),
+                                    roles=getattr(args, "_placement_roles", ("reference",)), arguments=TRL_ARGUMENTS,
+                                    owner=f"{type(args).__name__}.placement")
+        return RoleBuilder(layout, placement, accelerator=None, engine_options=self._engine_options)
+
+    def _init_engines(self, builder: RoleBuilder) -> None:
+        """After `Trainer.__init__`: the actor's engine, laid out by the role builder."""
+        builder.accelerator = self.accelerator
+        self.roles_builder = builder
+        self.layout = builder.launch
+        self.backend, self.dims = self.layout.backend, self.layout.dims
         self._add_model_tags(self.model)
         # the engine lays the model out; the Trainer must not also run its own FSDP / DeepSpeed path (which
         # accelerate engages on GPU machines from the same launch config)
@@ -309,18 +326,21 @@ class EngineTrainerMixin:
         if self._tag_names and callable(getattr(model, "add_model_tags", None)):
             model.add_model_tags(list(self._tag_names))
 
-    def _make_engine(self, model, role: str, *, trainable: bool, layout: RoleLayout | None = None,
-                     **kwargs) -> TrainingEngine:
+    def _make_engine(self, model, role: str, *, trainable: bool, **kwargs) -> TrainingEngine:
+        """`role`'s engine over `model`, on its layout (the launch's, or its placement's), by the role builder."""
+        return self.roles_builder.engine(model, role, trainable=trainable, **kwargs)
+
+    def _engine_options(self, role: str, trainable: bool) -> dict:
+        """The engine options of a role from the Trainer's arguments (mixed precision, micro-batch, clipping,
+        checkpointing of trained roles, the rollouts' packing switches)."""
         args = self.args
-        return make_engine(
-            model, role, layout or self.layout, accelerator=self.accelerator,
-            trainable=trainable, micro_batch_size=args.per_device_train_batch_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
-            bf16=bool(args.bf16), fp16=bool(args.fp16),
-            gradient_checkpointing=trainable and bool(args.gradient_checkpointing),
-            # rollouts' packing (DPO's `padding_free` is its collator's, a different switch)
-            padding_free=args.padding_free if isinstance(args, RolloutArguments) else None,
-            shared_prefix=getattr(args, "shared_prefix", None), **kwargs)
+        return dict(micro_batch_size=args.per_device_train_batch_size,
+                    gradient_accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
+                    bf16=bool(args.bf16), fp16=bool(args.fp16),
+                    gradient_checkpointing=trainable and bool(args.gradient_checkpointing),
+                    # rollouts' packing (DPO's `padding_free` is its collator's, a different switch)
+                    padding_free=args.padding_free if isinstance(args, RolloutArguments) else None,
+                    shared_prefix=getattr(args, "shared_prefix", None))
 
     # ------------------------------------------------------------------ the Trainer's model, optimizer and step
     def _move_model_to_device(self, model, device) -> None:

@@ -18,7 +18,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_verl.settings import check_settings
-from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from hf_verl.algorithms.registry import advantage_estimator_names, get_advantage_estimator
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
 from hf_verl.data.batch import resolve_pad_to_multiple_of
 from hf_verl.trainers.model_parallel_args import ModelParallelArguments
@@ -48,6 +48,8 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParall
     `steps_per_generation` optimizer steps, `num_iterations` times. Loss: PPO clip with
     `epsilon`/`epsilon_high`, a k3 KL term weighted by `beta`, aggregated per `loss_type`.
     """
+
+    _placement_roles = ("reference", "generator")  # what `placement` may place (a class attribute)
 
     learning_rate: float = field(default=1e-6, metadata=_help("AdamW learning rate (TRL's default)."))
     sequence_parallel_size: int = field(default=1, metadata={"help": (
@@ -81,7 +83,9 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParall
     scale_rewards: str = field(default="group", metadata=_help("'group', 'batch' or 'none' (True/False accepted as in TRL)."))
     loss_type: str = field(default="dapo", metadata=_help(f"One of {LOSS_TYPES}, or verl's loss_agg_mode names."))
     advantage_estimator: str = field(default="grpo", metadata=_help(
-        "Critic-free estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."))
+        "A registered critic-free estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
+        "remax, gpg, grpo_passk, opo, gdpo, optimal_token_baseline, ..., or your own "
+        "(hf_verl.algorithms.register_advantage_estimator)."))
     mask_truncated_completions: bool = field(default=False, metadata=_help("Exclude completions that hit max_completion_length from the loss."))
     log_completions: bool = field(default=False, metadata=_help(
         "Log a sample of completions at each log, and write every logged round to output_dir/completions/*.parquet."))
@@ -158,11 +162,9 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParall
         if self.vllm_importance_sampling_cap is not None:
             logger.warning("vllm_importance_sampling_cap is deprecated (TRL): it sets vllm_importance_sampling_clip_max.")
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        if self.advantage_estimator == "gae":
-            raise ValueError("advantage_estimator='gae' needs a critic: use PPOTrainer with a value_model.")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"unknown advantage_estimator {self.advantage_estimator!r}; choose one of "
-                             f"{tuple(e for e in ADVANTAGE_ESTIMATORS if e != 'gae')}.")
+        if get_advantage_estimator(self.advantage_estimator).needs_critic:  # unknown names raise, listing them
+            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} needs a critic: use PPOTrainer with a "
+                             f"value_model, or a critic-free estimator {advantage_estimator_names(critic=False)}.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         self._validate_vllm()

@@ -1,41 +1,36 @@
 """`GRPOTrainer`: Group Relative Policy Optimization as a `transformers.Trainer` subclass.
 
 The rollout machinery (rounds, buffer, data parallel layout, metrics plumbing) is
-:class:`~hf_verl.trainers.on_policy.OnPolicyTrainer`'s. GRPO adds, per round: rewards gathered
-from every process and normalised per group (`grpo_advantages`; a group may span processes), the
-reference log-probs when beta > 0, the generating policy's log-probs when the policy moves before
-the round is used up; and the loss: PPO clip + k3 KL, aggregated per `loss_type`.
+:class:`~hf_verl.trainers.on_policy.OnPolicyTrainer`'s, and the algorithm (advantages, the loss, its metrics) is
+:class:`~hf_verl.pipeline.critic_free.CriticFreeAlgorithm`, the object the facade runs too. This module holds
+TRL's constructor and checks (tools, environments, `rollout_func`, Liger, quantization), TRL's public helpers and
+attributes, and the completions table.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
-import time
 
 import torch
 from transformers import AutoTokenizer
 
-from hf_verl.algorithms.advantages import gdpo_advantages, grpo_advantages
 from hf_verl.algorithms.policy_losses import (
     entropy_quantile,
     high_entropy_mask,
     off_policy_sequence_mask,
 )
-from hf_verl.data.batch import LossInputs, RolloutBatch
-from hf_verl.engine.step import LogProbs, PolicyOutput
-from hf_verl.engine.model_options import cast_lm_head_to_fp32, router_aux_loss
+from hf_verl.algorithms.registry import get_advantage_estimator
+from hf_verl.data.batch import RolloutBatch
+from hf_verl.engine.model_options import cast_lm_head_to_fp32
 from hf_verl.parallel import comm
-from hf_verl.pipeline import losses, phases
 from hf_verl.pipeline.tool_rollout import ENVIRONMENT_COLUMN, ToolRollout
-from hf_verl.rewards.callables import combine_rewards
 from hf_verl.rewards.reward_model import align_processing_classes
 from hf_verl.rollout.tools import environment_tools
 from hf_verl.trainers.engine_glue import load_for_launch, load_pretrained
 from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.on_policy import OnPolicyTrainer
-from hf_verl.trainers.policy_control import EntropyController, ReferenceMixCallback
+from hf_verl.trainers.policy_control import ReferenceMixCallback
 from hf_verl.trainers.quantization import check_quantized_run, merge_quantization_config
 
 logger = logging.getLogger(__name__)
@@ -130,7 +125,6 @@ class GRPOTrainer(OnPolicyTrainer):
         _check_liger(model, args)
         if args.cast_lm_head_to_fp32:
             cast_lm_head_to_fp32(model)
-        self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss(model, args.router_aux_loss_coef)
         if args.sync_ref_model and peft_config is not None:
             raise ValueError("sync_ref_model=True with a PEFT model: the reference is the base model with adapters "
                              "disabled and cannot be mixed; set sync_ref_model=False or train without peft_config.")
@@ -151,9 +145,6 @@ class GRPOTrainer(OnPolicyTrainer):
             raise ValueError("ds3_gather_for_generation=False (generating on ZeRO-3 partitioned weights) is not "
                              "supported: hf_verl generates on a full replica kept in step by bucketed weight sync, "
                              "which needs no gathering per token; remove ds3_gather_for_generation.")
-        self.entropy_control = EntropyController.from_args(args)
-        self._loss_form = args.resolved_policy_loss()
-        self._loss_params = args.policy_loss_params()
         if args.sync_ref_model:
             self.add_callback(ReferenceMixCallback(self))
         self._tool_rollout, self.rollout_func = tool_rollout, rollout_func
@@ -184,9 +175,10 @@ class GRPOTrainer(OnPolicyTrainer):
                 raise ValueError("No reward source provided: pass reward_funcs, or an environment_factory whose "
                                  "environment defines a get_reward method.")
             return None, reward_funcs, reward_processing_classes, args
-        if args.advantage_estimator == "remax":
-            raise ValueError("advantage_estimator='remax' with tools / environment_factory is not supported: its "
-                             "greedy baseline is generated single-turn, without tools; choose another estimator.")
+        if "greedy_scores" in get_advantage_estimator(args.advantage_estimator).requires:
+            raise ValueError(f"advantage_estimator={args.advantage_estimator!r} with tools / environment_factory is not "
+                             "supported: its greedy baseline is generated single-turn, without tools; choose another "
+                             "estimator.")
         tool_rollout = ToolRollout(tools, environment_factory, args.max_tool_calling_iterations)
         tool_rollout.check_tokenizer(processing_class, args.chat_template_kwargs)
         columns = list(getattr(train_dataset, "column_names", None) or [])
@@ -263,10 +255,25 @@ class GRPOTrainer(OnPolicyTrainer):
         return tools
 
     @property
+    def entropy_control(self):
+        """The algorithm's entropy-bonus controller (None when the bonus is off)."""
+        return self.algorithm.entropy_control
+
+    @property
     def entropy_coef(self) -> float:
         """The entropy-bonus coefficient in force (TRL's attribute; adaptive entropy control moves it each
         optimizer step)."""
         return self.entropy_control.coef if self.entropy_control is not None else self.args.entropy_coef
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's attribute: whether a Mixture of Experts' router load-balancing loss is added."""
+        return self.algorithm.aux_loss_enabled
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """TRL's attribute: the router loss's weight."""
+        return self.algorithm.aux_loss_coef
 
     @property
     def _logs(self) -> dict:
@@ -304,151 +311,21 @@ class GRPOTrainer(OnPolicyTrainer):
         return keep.to(mask.dtype)
 
     # ------------------------------------------------------------------ round
-    def _finish_round(self, batch: RolloutBatch, rows, rewards_per_func, timings) -> list[RolloutBatch]:
-        args, dims = self.args, self.dims
-        lengths = batch.completion_mask.sum(1)  # logged as generated, before any masking
-        if args.mask_truncated_completions:
-            batch.completion_mask = batch.completion_mask * (~batch.is_truncated).long().unsqueeze(1)
-        local = combine_rewards(rewards_per_func, args.reward_weights)
-        all_rewards = comm.gather_rows(dims, local)  # group normalisation over the global round
-        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward normalised per group
-            advantages, group_std = gdpo_advantages(comm.gather_rows(dims, rewards_per_func), args.num_generations,
-                                                    args.reward_weights)
-        else:
-            advantages, group_std = grpo_advantages(all_rewards, args.num_generations, args.scale_rewards)
-        batch.rewards = local
-        if args.advantage_estimator == "grpo":
-            batch.advantages = comm.local_rows(dims, advantages, local.shape[0])
-        else:  # another critic-free estimator, token-level (B, C)
-            greedy = self._greedy_baseline_scores(batch, rows) if args.advantage_estimator == "remax" else None
-            sum_sq = None
-            if "optimal_token_baseline" in args.advantage_estimator:  # the sampling policy's token statistics
-                batch.old_logprobs, sum_sq = phases.sampling_statistics(self.actor, batch, **self._logprob_kwargs())
-            batch.advantages, _ = phases.advantages(
-                dims, args.advantage_estimator, scores=local, mask=batch.completion_mask,
-                num_generations=args.num_generations, greedy_scores=greedy, scale_rewards=args.scale_rewards,
-                scores_per_func=torch.nan_to_num(rewards_per_func), reward_weights=args.reward_weights,
-                old_logprobs=batch.old_logprobs, sum_pi_squared=sum_sq)
-        batch.validate()
-        # dapo: token mean over the round; each micro-batch loss is later divided by grad accumulation
-        normalizer = phases.global_token_count(dims, batch.completion_mask) / (args.steps_per_generation * dims.dp_size)
-        micro = self._split_round(batch)
-        t_ref = time.perf_counter()
-        off_policy = args.use_vllm or args.use_async_rollout  # sampled by another engine or older weights
-        for mb, entropy_count in zip(micro, self._micro_batch_normalizers(micro)):
-            mb.loss_inputs = LossInputs(loss_normalizer=normalizer, token_normalizer=entropy_count)
-            if args.beta > 0:
-                mb.ref_logprobs = self._reference_logprobs(mb)
-            if (self._policy_moves_within_round() or off_policy) and mb.old_logprobs is None:
-                mb.old_logprobs = self._old_logprobs(mb)
-            if off_policy:  # behaviour/trainer mismatch, logged always, corrected when asked
-                stats = phases.attach_importance_weights(
-                    mb, mode=args.vllm_importance_sampling_mode, clip_min=args.vllm_importance_sampling_clip_min,
-                    clip_max=args.vllm_importance_sampling_clip_max, correct=args.vllm_importance_sampling_correction)
-                for k, v in stats.items():
-                    self._metrics[k].append(v)
-        timings["reference"] = time.perf_counter() - t_ref
-        all_per_func = comm.gather_rows(dims, rewards_per_func)
-        self._log_rewards(all_per_func, all_rewards, group_std)
+    def _round_done(self, batch: RolloutBatch, rewards_per_func: torch.Tensor) -> None:
+        """The completions table (`log_completions`), over every rank's rows."""
         if self.completion_log.enabled:
+            dims = self.dims
             adv = batch.advantages if batch.advantages.dim() == 1 else batch.advantages[:, 0]
             self.completion_log.record(comm.gather_objects(dims, batch.meta["prompts"]),
-                                       comm.gather_objects(dims, batch.meta["completions"]), all_per_func,
-                                       comm.gather_rows(dims, adv), self._gathered_log_extra(batch))
-        self._log_common(batch, timings, lengths)
-        return micro
+                                       comm.gather_objects(dims, batch.meta["completions"]),
+                                       comm.gather_rows(dims, rewards_per_func), comm.gather_rows(dims, adv),
+                                       self._gathered_log_extra(batch))
 
     def _gathered_log_extra(self, batch: RolloutBatch) -> dict[str, list]:
         """The reward functions' `log_extra` columns over every rank's rows (None where a rank logged none)."""
         local = batch.meta.get("log_extra") or {}
         names = sorted({name for names in comm.gather_objects(self.dims, [sorted(local)]) for name in names})
         return {name: comm.gather_objects(self.dims, local.get(name, [None] * batch.batch_size)) for name in names}
-
-    def _log_rewards(self, rewards_per_func, rewards, group_std) -> None:
-        """Reward metrics over the global round (gathered)."""
-        m = self._metrics
-        m["reward"].append(rewards.mean().item())
-        m["reward_std"].append(rewards.std().item() if rewards.numel() > 1 else 0.0)
-        m["frac_reward_zero_std"].append(torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item())
-        for i, name in enumerate(self.reward_names):
-            col = rewards_per_func[:, i]
-            m[f"rewards/{name}/mean"].append(torch.nanmean(col).item())
-            m[f"rewards/{name}/std"].append(col[~col.isnan()].std().item() if (~col.isnan()).sum() > 1 else 0.0)
-
-    # ------------------------------------------------------------------ loss
-    def _forward_request(self) -> LogProbs:
-        kw = self._logprob_kwargs()
-        return LogProbs(temperature=kw["temperature"], chunk_size=kw["chunk_size"], with_entropy=True,
-                        with_aux_loss=self.aux_loss_enabled)
-
-    def _policy_loss(self, out: PolicyOutput, batch: RolloutBatch, *, observe: bool = False):
-        """`(loss, metrics)` of one micro-batch from the actor's forward `out` (no collective: the entropy
-        threshold and normalisers come with `batch.loss_inputs`)."""
-        args, inputs = self.args, batch.loss_inputs
-        control = self.entropy_control
-        loss, stats = losses.policy_loss(
-            out.logp, batch, loss=self._loss_form, params=self._loss_params, loss_type=args.loss_type,
-            normalizer=inputs.loss_normalizer, max_completion_length=args.max_completion_length,
-            kl_coef=args.beta, kl_estimator="k3", kl_bias_correction=args.use_bias_correction_kl, entropy=out.entropy,
-            entropy_coef=control.applied_coef() if control else 0.0, entropy_normalizer=inputs.token_normalizer,
-            entropy_threshold=inputs.entropy_threshold, off_policy_threshold=args.off_policy_mask_threshold)
-        metrics = {"entropy": stats["entropy"]}
-        if args.beta > 0:
-            metrics["kl"] = stats["kl"]
-        if self._loss_form in ("clip", "gspo"):
-            for name in ("low", "high", "region"):
-                metrics[f"clip_ratio/{name}_mean"] = stats[f"clip_{name}"]
-        elif self._loss_form == "cispo":
-            metrics["cispo_clip_ratio"] = stats["cispo_clip"]
-        elif self._loss_form == "vespo":
-            metrics["vespo/phi_seq_mean"] = stats["vespo_phi"]
-        if control is not None:
-            metrics["policy_loss"] = stats["policy"]
-            if observe:
-                control.observe(out.entropy.detach(), batch.completion_mask, self.dims)
-        if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * out.aux_loss
-            metrics["aux_loss"] = out.aux_loss.detach()
-        return loss, metrics
-
-    def _engine_windows(self, micro_batches: list[RolloutBatch], loss_scale: float | None) -> list:
-        training = loss_scale is not None
-        if training:
-            self._set_entropy_thresholds(micro_batches, self._forward_request())
-        result = self.actor.forward_backward(
-            micro_batches, lambda out, mb: self._policy_loss(out, mb, observe=training),
-            forward=self._forward_request(), forward_only=not training, loss_scale=loss_scale or 1.0)
-        self._take_step_metrics(result)
-        return [result]
-
-    @torch.no_grad()
-    def _eval_loss(self, batch: RolloutBatch, rewards_per_func: torch.Tensor, group_size: int) -> float:
-        """The GRPO loss on an evaluation batch at the current policy (TRL's `eval_loss`): advantages normalised
-        within each of its groups (GDPO's per reward with `normalize_then_sum`), the KL to the reference when
-        beta > 0, the batch's own token count as the normaliser and its own entropy threshold; nothing is
-        gathered across ranks."""
-        args = self.args
-        per_func = rewards_per_func.to(batch.device)
-        if args.mask_truncated_completions:
-            batch.completion_mask = batch.completion_mask * (~batch.is_truncated).long().unsqueeze(1)
-        if args.multi_objective_aggregation == "normalize_then_sum":
-            batch.advantages, _ = gdpo_advantages(per_func, group_size, args.reward_weights)
-        else:
-            batch.advantages, _ = grpo_advantages(combine_rewards(per_func, args.reward_weights), group_size,
-                                                  args.scale_rewards)
-        if args.beta > 0:
-            batch.ref_logprobs = self._reference_logprobs(batch)
-        out = self.actor.infer(batch, self._forward_request())
-        q = args.top_entropy_quantile
-        if q < 1.0:
-            threshold = entropy_quantile(out.entropy[batch.completion_mask.bool()], 1.0 - q)
-            batch.loss_inputs = dataclasses.replace(batch.loss_inputs, entropy_threshold=threshold)
-        loss, _ = self._policy_loss(out, batch)
-        return loss.item()
-
-    def _optimizer_step_done(self) -> None:
-        if self.entropy_control is not None:
-            self._metrics["entropy_coef"].append(self.entropy_control.end_step(self.dims))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)

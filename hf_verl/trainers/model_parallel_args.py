@@ -27,6 +27,10 @@ def _help(text: str) -> Any:
     return {"help": text}
 
 
+TRL_ARGUMENTS = {"reference": "ref_model=", "critic": "value_model=", "reward": "reward_funcs= / reward_model="}
+"""The trainers' argument for each role (TRL's names), as placement messages name them."""
+
+
 @dataclass
 class ModelParallelArguments:
     backend: str | None = field(default=None, metadata=_help(
@@ -44,6 +48,14 @@ class ModelParallelArguments:
     model_size: int | str | None = field(default=None, metadata=_help(
         "What parallel='auto' / per_device_train_batch_size='auto' size: a size string ('7b', '500M'), a parameter "
         "count, or the model's local path / Hub id (its config is read offline)."))
+    placement: dict | None = field(default=None, metadata=_help(
+        "Where roles run, the facade's values (docs/placement.md): {'reference' | 'critic': 'colocated' | 'ddp' | "
+        "'fsdp2' | 'zero1' | 'zero2' | 'zero3', 'reference': '<URL of a server serving it>', 'generator': "
+        "'colocated' | '<URL of a /v1/completions server>'}; a URL generator's weight updates carry the "
+        "HF_VERL_SERVE_TOKEN token. None: every role on the launch's layout."))
+
+    _placement_roles = ("reference", "critic", "generator")  # the roles this config's trainer places (no annotation:
+    # a class attribute, not a dataclass field)
 
     def _resolve_model_parallel(self) -> None:
         """Read an accelerate MEGATRON_LM launch into the fields, switch accelerate's own plugin off, and check the
@@ -59,6 +71,25 @@ class ModelParallelArguments:
         self.backend, self.tensor_model_parallel_size, self.pipeline_model_parallel_size = resolve_megatron_settings(
             type(self).__name__, self.backend, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
             getattr(self, "sequence_parallel_size", 1))
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        """`placement` checked as the facade checks it (:func:`~hf_verl.pipeline.placement.check_placement`), for the
+        roles this trainer has; a JSON string (the command line) is read first. Whether a placed role has a model is
+        checked again by the trainer, which knows its roles."""
+        import json
+        import os
+
+        from hf_verl.engine.registry import ENGINES
+        from hf_verl.pipeline.placement import check_placement
+
+        if isinstance(self.placement, str) and self.placement.strip().startswith("{"):
+            self.placement = json.loads(self.placement)
+        if self.placement is not None:
+            check_placement(self.placement, has_reference=True, has_critic=True,
+                            world_size=int(os.environ.get("WORLD_SIZE", "1")), engines=tuple(ENGINES),
+                            roles=self._placement_roles, arguments=TRL_ARGUMENTS,
+                            owner=f"{type(self).__name__}.placement")
 
     @property
     def uses_megatron(self) -> bool:

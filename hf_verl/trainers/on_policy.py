@@ -21,7 +21,6 @@ sampling fields named in `_sampling_params`.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import logging
 import time
@@ -38,14 +37,12 @@ from hf_verl.data.prompts import (
 )
 from hf_verl.data.samplers import RepeatGroupSampler, ReplicaDeal, process_dp_ranks
 from hf_verl.parallel.precision import amp_dtype
-from hf_verl.engine.step import LogProbs, StepResult
 from hf_verl.parallel import comm
-from hf_verl.pipeline import generation, phases
+from hf_verl.pipeline import generation
+from hf_verl.pipeline.algorithm import Roles, make_algorithm
 from hf_verl.pipeline.orchestrator import END, RoundHost, RoundOrchestrator
-from hf_verl.pipeline.prefetch import frozen_copy
-from hf_verl.parallel.sharded_load import loaded_sharded, reference_copy, whole_copy
-from hf_verl.pipeline.rewards import place_reward_models
-from hf_verl.pipeline.rounds import Collected, RoundCollector, split_generation_kwargs
+from hf_verl.parallel.sharded_load import loaded_sharded
+from hf_verl.pipeline.rounds import Collected, RoundCollector
 from hf_verl.pipeline.tool_rollout import (
     tool_frequencies,
     tool_metrics,
@@ -60,10 +57,8 @@ from hf_verl.rollout.base import (
     RolloutEngine,
     SamplingParams,
 )
-from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.trainers.completion_log import CompletionLog
 from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
-from hf_verl.trainers.vllm_args import colocate_max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +106,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
 
     def __init__(self, *, model, args, reward_funcs, reward_processing_classes, train_dataset, eval_dataset,
                  processing_class, callbacks, optimizers, ref_model=None, need_reference: bool = False,
-                 is_peft: bool = False) -> None:
+                 is_peft: bool = False, critic: bool = False) -> None:
         ensure_pad_token(processing_class)
         if args.gradient_checkpointing:
             model.config.use_cache = False
@@ -124,19 +119,16 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
                                  "the column(s) (dataset.remove_columns) or use a text-only dataset.")
         self.reward_funcs = resolve_reward_sources(reward_funcs, reward_processing_classes)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
+        # every role is built by the role builder the facade uses too (pipeline/role_builder.py)
         layout = launch_layout(args.world_size, args)
-        backend = layout.backend
-        # a model given by id under FSDP2 / ZeRO-3 is loaded sharded (docs/loading.md): its reference is loaded
-        # sharded too, and its generation replica read whole from the checkpoint
-        sharded = loaded_sharded(model)
+        builder = self._role_builder(args, layout, has_reference=need_reference or ref_model is not None,
+                                     has_critic=critic)
         if ref_model is None and need_reference and not is_peft:
-            # PEFT: the base model with adapters disabled is the reference
-            ref_model = (reference_copy(model, layout, bf16=bool(args.bf16), fp16=bool(args.fp16)) if sharded
-                         else frozen_copy(model))
+            # PEFT: the base model with adapters disabled is the reference; a sharded actor's is loaded sharded
+            ref_model = builder.reference_model(model, bf16=bool(args.bf16), fp16=bool(args.fp16))
         self.ref_model = ref_model
-        # a sharded actor cannot generate (each rank holds a shard): the engine gets a replica, made
-        # before sharding and kept in step by bucketed weight sync
-        replica = (whole_copy(model) if sharded else frozen_copy(model)) if backend.partitions_parameters else None
+        # a sharded actor cannot generate (each rank holds a shard): the engine gets a replica, made before sharding
+        replica = builder.actor_replica(model) if builder.remote_url("generator") is None else None
         self._check_iterable_datasets(args, train_dataset, eval_dataset)
         super().__init__(model=model, args=args, data_collator=_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
@@ -144,17 +136,13 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         device = self.args.device
         if self.ref_model is not None and not loaded_sharded(self.ref_model):
             self.ref_model = self.ref_model.to(device)
-        self._init_engines(layout)
-        self.reference = None if self.ref_model is None else self._make_engine(self.ref_model, "reference",
-                                                                               trainable=False)
-        place_reward_models(self.reward_funcs, self.backend,
-                            lambda m: self._make_engine(m.to(device), "reward", trainable=False),
-                            async_rollout=getattr(args, "use_async_rollout", False))
-        engine_model = self.actor.rollout_model() if replica is None else replica.to(device)
-        self.engine: RolloutEngine = TransformersEngine(
-            engine_model, processing_class, cache_implementation=getattr(args, "cache_implementation", None),
-            generate_kwargs=split_generation_kwargs(getattr(args, "generation_kwargs", None))[1],
-            autocast_dtype=amp_dtype(bool(args.bf16), bool(args.fp16)))
+        self._init_engines(builder)
+        self.reference = builder.reference(self.ref_model)
+        builder.place_rewards(self.reward_funcs, async_rollout=getattr(args, "use_async_rollout", False))
+        self.engine: RolloutEngine = builder.generator(
+            args, actor=self.actor, replica=None if replica is None else replica.to(device), tokenizer=processing_class,
+            engine=getattr(args, "rollout_engine", None), max_new_tokens=self._max_new_tokens(),
+            seed=args.seed + self.dims.dp_rank, autocast_dtype=amp_dtype(bool(args.bf16), bool(args.fp16)))
         self._metrics: dict[str, list[float]] = defaultdict(list)
         # the Trainer divides each micro-batch loss by the accumulation steps (rows carry no labels)
         self.model_accepts_loss_kwargs = False
@@ -167,13 +155,16 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             engine=lambda: self.engine, actor=lambda: self.actor, dims=lambda: self.dims,
             global_step=lambda: self.state.global_step, version=self._round_index))
         self.completion_log = CompletionLog(args, self.reward_names, seed=args.seed)
-        self._prompt_limit = args.max_prompt_length  # lowered when a colocated engine has fewer positions
+        self._prompt_limit = self._engine_prompt_limit(args.max_prompt_length)
         self._collector = RoundCollector(processing_class, self.reward_funcs, args, max_new_tokens=self._max_new_tokens,
                                          prompt_limit=lambda: self._prompt_limit)
         if train_dataset is not None and hasattr(train_dataset, "__len__"):
             self._get_train_sampler()  # a dataset too small for one round fails here, not at train()
-        if getattr(args, "use_vllm", False):
-            self.engine = self._vllm_engine(args, processing_class)
+        # the algorithm: advantages, the loss handed to each engine's step, its metrics (the facade's object too)
+        self.algorithm = make_algorithm(
+            args, critic=critic, model=model, metrics=self._metrics, reward_names=self.reward_names,
+            eos_token_id=processing_class.eos_token_id, sampling_temperature=lambda: self._sampling_params().temperature,
+            forward_batch_size=lambda rows: self._forward_rows())
 
     @staticmethod
     def _check_iterable_datasets(args, train_dataset, eval_dataset) -> None:
@@ -197,29 +188,15 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             raise ValueError("use_async_rollout=True needs a map-style train_dataset (the next round's prompts are "
                              "read ahead by index); load the dataset without streaming, or set use_async_rollout=False.")
 
-    def _vllm_engine(self, args, processing_class) -> RolloutEngine:
-        """`use_vllm=True`: in-process vLLM (colocate) or a remote OpenAI-compatible server."""
-        if args.vllm_mode == "colocate":
-            from hf_verl.rollout.vllm_engine import VLLMEngine
+    def _engine_prompt_limit(self, max_prompt_length: int | None) -> int | None:
+        """The prompt length limit: `max_prompt_length`, lowered so that prompt and completion fit an in-process vLLM
+        engine's context (a colocated engine sized from the config)."""
+        from hf_verl.rollout.vllm_engine import VLLMEngine
 
-            policy = self.engine.model  # the actor's own model, or its replica when the actor is sharded
-            length = colocate_max_model_len(args, policy.config, self._max_new_tokens())
-            if args.max_prompt_length is None or args.max_prompt_length + self._max_new_tokens() > length:
-                self._prompt_limit = length - self._max_new_tokens()  # prompts must leave room in the engine
-            return VLLMEngine.from_model(
-                policy, processing_class, dtype=str(policy.dtype).replace("torch.", ""), max_model_len=length,
-                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                tensor_parallel_size=args.vllm_tensor_parallel_size, enable_sleep_mode=args.vllm_enable_sleep_mode,
-                seed=args.seed + self.dims.dp_rank, model_impl=args.vllm_model_impl,
-                structured_outputs_regex=args.vllm_structured_outputs_regex,
-                trust_remote_code=getattr(args, "trust_remote_code", False))
-        import os
-
-        from hf_verl.rollout.remote import RemoteEngine
-        from hf_verl.serve.server import TOKEN_ENV
-
-        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        return RemoteEngine(url, token=os.environ.get(TOKEN_ENV), timeout_s=args.vllm_server_timeout)
+        if not isinstance(self.engine, VLLMEngine):
+            return max_prompt_length
+        room = self.engine.max_model_len - self._max_new_tokens()
+        return room if max_prompt_length is None or max_prompt_length > room else max_prompt_length
 
     # ------------------------------------------------------------------ TRL's reward attributes
     @property
@@ -379,35 +356,43 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         sampler.set_epoch(epoch)
         return [self.train_dataset[i] for i in sampler.process_chunk(list(sampler), local, self.dims.rank)]
 
+    # ------------------------------------------------------------------ the algorithm
+    @property
+    def roles(self) -> Roles:
+        """What the algorithm reads and trains: the actor, reference and critic engines, the data-parallel layout."""
+        return Roles(actor=self.actor, dims=self.dims, reference=self.reference, critic=getattr(self, "critic", None),
+                     greedy_scores=lambda batch, rows: self._collector.greedy_scores(batch, rows, self.engine,
+                                                                                    self.args.reward_weights))
+
+    def _forward_rows(self) -> int:
+        """Rows per no-grad forward of a round (reference, old log-probs, values)."""
+        return self.args.per_device_train_batch_size
+
+    def _off_policy(self) -> bool:
+        """Whether rounds are sampled by another engine or older weights than the actor's forward."""
+        return bool(self.args.use_vllm or self.args.use_async_rollout)
+
     def _finish_round(self, batch: RolloutBatch, rows: list[dict], rewards_per_func: torch.Tensor,
                       timings: dict[str, float]) -> list[RolloutBatch]:
-        raise NotImplementedError
+        """A generated round through the algorithm: advantages (and what else its loss reads) on the whole round,
+        then the round shuffled into micro-batches, each with its normalisers, log-probs and importance weights."""
+        lengths = batch.completion_mask.sum(1)  # logged as generated, before any masking
+        algorithm = self.algorithm
+        algorithm.finish_round(batch, rewards_per_func, self.roles, rows=rows)
+        timings.update(getattr(algorithm, "timings", {}))
+        batch.validate()
+        micro = self._split_round(batch)
+        t0 = time.perf_counter()
+        algorithm.prepare(micro, self.roles, off_policy=self._off_policy(),
+                          recompute_old=self._policy_moves_within_round(),
+                          steps_per_round=self.args.steps_per_generation)
+        timings.setdefault("reference", time.perf_counter() - t0)
+        self._round_done(batch, rewards_per_func)
+        self._log_common(batch, timings, lengths)
+        return micro
 
-    # ------------------------------------------------------------------ shared round helpers
-    def _generate(self, prompt_ids: list[list[int]], prompts: list, engine: RolloutEngine | None = None) -> RolloutBatch:
-        return generation.generate(engine or self.engine, prompt_ids, prompts, self._sampling_params(),
-                                   self.processing_class, self.args.device)
-
-    def _score(self, batch: RolloutBatch, rows: list[dict]) -> torch.Tensor:
-        """(N, num_reward_funcs) scores, NaN where a function returned None."""
-        return generation.score(self.reward_funcs, batch, generation.row_columns(rows))
-
-    @torch.no_grad()
-    def _greedy_baseline_scores(self, batch: RolloutBatch, rows: list[dict]) -> torch.Tensor:
-        """ReMax's baseline: the combined score of one greedy completion per distinct prompt, `(N,)`."""
-        keys = [tuple(p) for p in batch.meta["prompt_ids"]]
-        first = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        unique = list(first.values())
-        sampling = dataclasses.replace(self._sampling_params(), temperature=0.0)
-        out = self.engine.generate([batch.meta["prompt_ids"][i] for i in unique], sampling)
-        texts = self.processing_class.batch_decode(out.completion_ids, skip_special_tokens=True)
-        scores = generation.score_texts(self.reward_funcs, [batch.meta["prompts"][i] for i in unique], texts,
-                                        out.completion_ids, generation.row_columns([rows[i] for i in unique]))
-        combined = combine_rewards(scores, self.args.reward_weights).to(batch.device)
-        where = {k: j for j, k in enumerate(first)}
-        return combined[torch.tensor([where[k] for k in keys], device=batch.device)]
+    def _round_done(self, batch: RolloutBatch, rewards_per_func: torch.Tensor) -> None:
+        """A front-end's own round logs (GRPO's completions table, PPO's episode count and samples)."""
 
     def _split_round(self, batch: RolloutBatch) -> list[RolloutBatch]:
         """Shuffle the round (seeded by position, so resumable) and cut it into micro-batches."""
@@ -420,35 +405,6 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         """True when an optimizer step happens before the round's last micro-batch is used."""
         a = self.args
         return a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps
-
-    def _logprob_kwargs(self) -> dict:
-        """Scoring settings: the temperature the completions were sampled at (`generation_kwargs` included)."""
-        a = self.args
-        temperature = self._sampling_params().temperature
-        return {"temperature": temperature if temperature > 0 else 1.0, "chunk_size": a.logprob_chunk_size,
-                "micro_batch": a.per_device_train_batch_size}
-
-    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        return phases.reference_logprobs(self.reference, self.actor, batch, **self._logprob_kwargs())
-
-    def _old_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        return phases.policy_logprobs(self.actor, batch, **self._logprob_kwargs())
-
-    def _set_entropy_thresholds(self, micro_batches: list[RolloutBatch], request: LogProbs) -> None:
-        phases.set_entropy_thresholds(self.actor, self.dims, micro_batches, request, self.args.top_entropy_quantile)
-
-    def _take_step_metrics(self, result: StepResult, prefix: str = "") -> None:
-        """The loss function's metrics of every micro-batch of a step, into the next log."""
-        for metrics in result.metrics:
-            for name, value in metrics.items():
-                self._metrics[prefix + name].append(value)
-
-    def _micro_batch_normalizers(self, micro: list[RolloutBatch]) -> list[float]:
-        """Per micro-batch: completion tokens of the same micro-batch on every data-parallel rank, divided
-        by the data-parallel size. A token-mean loss divided by it, averaged over ranks by the gradient
-        reduction, is the token mean of the global micro-batch, whatever the layout."""
-        counts = torch.tensor([float(mb.completion_mask.sum()) for mb in micro], dtype=torch.float64)
-        return (comm.reduce(self.dims, counts, "sum") / self.dims.dp_size).tolist()
 
     def _log_common(self, batch: RolloutBatch, timings: dict[str, float], lengths: torch.Tensor | None = None) -> None:
         """Round metrics: TRL's completion lengths over every rank's completions (all of them, and those that
@@ -479,8 +435,10 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         return 1
 
     def _eval_loss(self, batch: RolloutBatch, rewards_per_func: torch.Tensor, group_size: int) -> float | None:
-        """The training loss on one evaluation batch (whole groups of `group_size` rows); None: not reported."""
-        return None
+        """The training loss on one evaluation batch (whole groups of `group_size` rows), where the algorithm
+        defines one (the critic-free family); None: not reported."""
+        eval_loss = getattr(self.algorithm, "eval_loss", None)
+        return None if eval_loss is None else eval_loss(batch, rewards_per_func, group_size, self.roles)
 
     def _eval_batches(self, dataset, prompts_per_batch: int):
         """This rank's evaluation prompts in batches: a map-style dataset split in contiguous shards, an iterable
@@ -613,16 +571,19 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             self._optimizer_step_done()
         return self._window_losses_of(*results)
 
-    def _engine_windows(self, micro_batches: list[RolloutBatch], loss_scale: float) -> list:
-        """Each trained role's `engine.forward_backward` over the window; returns their
-        :class:`~hf_verl.engine.step.StepResult` (an algorithm subclass provides it)."""
-        raise NotImplementedError
+    def _engine_windows(self, micro_batches: list[RolloutBatch], loss_scale: float | None) -> list:
+        """Each trained role's `engine.forward_backward` over the window, through the algorithm; returns their
+        :class:`~hf_verl.engine.step.StepResult` (`loss_scale` None: forward only)."""
+        return self.algorithm.step(micro_batches, self.roles, loss_scale=loss_scale,
+                                   global_step=self.state.global_step)
 
     def _optimizer_step_done(self) -> None:
         """Called after the last micro-batch of an optimizer step (before the step itself)."""
+        self.algorithm.end_step(self.dims)
 
     def _trained_engines(self) -> list:
-        return [self.actor]
+        critic = getattr(self, "critic", None)
+        return [self.actor] + ([critic] if critic is not None else [])
 
     def compute_loss(self, model, inputs: RolloutBatch, return_outputs=False, num_items_in_batch=None):
         """The micro-batch's total loss over the trained roles, without a backward (a forward-only step)."""

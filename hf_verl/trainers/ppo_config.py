@@ -25,7 +25,7 @@ import torch
 from transformers import TrainingArguments
 
 from hf_verl.settings import check_settings
-from hf_verl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+from hf_verl.algorithms.registry import get_advantage_estimator
 from hf_verl.algorithms.policy_loss import resolve_aggregation
 from hf_verl.trainers.model_parallel_args import ModelParallelArguments
 from hf_verl.trainers.parallel_args import ParallelArguments
@@ -35,7 +35,8 @@ from hf_verl.trainers.vllm_args import VLLMArguments
 
 logger = logging.getLogger(__name__)
 
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k1", "k3")  # TRL's, for the reward penalty
+LOSS_KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
 
 
@@ -79,7 +80,9 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParalle
     num_ppo_epochs: int = field(default=4, metadata=_help("Passes over each rollout."))
     whiten_rewards: bool = field(default=False, metadata=_help("Whiten token rewards (no mean shift) before GAE."))
     kl_coef: float = field(default=0.05, metadata=_help("KL coefficient (initial value for the adaptive controller)."))
-    kl_estimator: str = field(default="k1", metadata=_help("'k1' or 'k3' KL estimator."))
+    kl_estimator: str = field(default="k1", metadata=_help("The KL estimator of the reward penalty (TRL's): 'k1' or 'k3'."))
+    kl_loss_estimator: str = field(default="k3", metadata=_help(
+        "The KL estimator of the loss term with use_kl_loss (verl's kl_loss_type): 'k1', 'k2' or 'k3'."))
     cliprange: float = field(default=0.2, metadata=_help("Policy ratio clip range."))
     cliprange_high: float | None = field(default=None, metadata=_help(
         "Upper policy clip range (clip-higher, verl clip_ratio_high); None: cliprange."))
@@ -95,7 +98,9 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParalle
     ds3_gather_for_generation: bool = field(default=True, metadata=_help("ZeRO-3: gather weights for generation."))
 
     # --- hf_verl additions
-    advantage_estimator: str = field(default="gae", metadata=_help(f"One of {ADVANTAGE_ESTIMATORS}; gae needs a value model."))
+    advantage_estimator: str = field(default="gae", metadata=_help(
+        "A registered estimator (gae, grpo, rloo, ..., or your own: hf_verl.algorithms.register_advantage_estimator); "
+        "gae needs a value model, the others run without one."))
     num_generations: int = field(default=1, metadata=_help("Completions per prompt (> 1 for group estimators)."))
     scale_rewards: str = field(default="group", metadata=_help("std scaling of the grpo estimator."))
     whiten_advantages: bool = field(default=True, metadata=_help("Whiten GAE advantages over the rollout (TRL: always)."))
@@ -163,10 +168,11 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParalle
 
     def _validate(self) -> None:
         check_settings(self)  # the schema's settings, checked as the facade checks them (hf_verl.settings)
+        get_advantage_estimator(self.advantage_estimator)  # an unknown name raises, listing the registered ones
         checks = [
             (self.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}."),
-            (self.advantage_estimator in ADVANTAGE_ESTIMATORS,
-             f"unknown advantage_estimator {self.advantage_estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}."),
+            (self.kl_loss_estimator in LOSS_KL_ESTIMATORS,
+             f"kl_loss_estimator must be one of {LOSS_KL_ESTIMATORS}, got {self.kl_loss_estimator!r}."),
             (self.kl_controller in KL_CONTROLLERS, f"kl_controller must be one of {KL_CONTROLLERS}, got {self.kl_controller!r}."),
             (self.response_length >= 1, f"response_length must be >= 1, got {self.response_length}."),
             (self.num_ppo_epochs >= 1, f"num_ppo_epochs must be >= 1, got {self.num_ppo_epochs}."),
@@ -186,14 +192,9 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParalle
         self._validate_rollout()
         self._validate_policy_loss()
         resolve_aggregation(self.loss_agg_mode)
-        if "optimal_token_baseline" in self.advantage_estimator:
-            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} is available in GRPOTrainer (it needs "
-                             "the sampling policy's per-token statistics, which GRPO computes); use GRPOTrainer.")
         if self.use_adaptive_entropy:
             raise ValueError("use_adaptive_entropy is a GRPO option (TRL); PPOTrainer takes a fixed entropy_coef.")
-        group = self.advantage_estimator in ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline", "gpg",
-                                             "grpo_passk", "opo", "gdpo")
-        if group and self.num_generations < 2:
+        if get_advantage_estimator(self.advantage_estimator).uses_groups and self.num_generations < 2:
             raise ValueError(
                 f"advantage_estimator={self.advantage_estimator!r} compares completions of one prompt: "
                 "set num_generations >= 2."

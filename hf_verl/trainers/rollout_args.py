@@ -20,6 +20,10 @@ def _help(text: str) -> Any:
 
 @dataclass
 class RolloutArguments:
+    rollout_engine: str | None = field(default=None, metadata=_help(
+        "The rollout engine by its registered name (hf_verl.rollout.register_rollout_engine): 'transformers', "
+        "'vllm', 'remote', or your own. None: 'remote' for a generator URL (placement['generator'], or use_vllm=True "
+        "with vllm_mode='server'), 'vllm' for use_vllm=True, else 'transformers'."))
     use_async_rollout: bool = field(default=False, metadata=_help(
         "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
     max_staleness: int = field(default=1, metadata=_help(
@@ -43,6 +47,13 @@ class RolloutArguments:
         "do not depend on how rows are split over processes."))
 
     def _validate_rollout(self) -> None:
+        if self.rollout_engine is not None:
+            from hf_verl.rollout.registry import ROLLOUT_ENGINES
+
+            if self.rollout_engine not in ROLLOUT_ENGINES:
+                raise ValueError(f"rollout_engine={self.rollout_engine!r} is not a registered rollout engine; choose "
+                                 f"one of {sorted(ROLLOUT_ENGINES)}, or register yours with "
+                                 "@hf_verl.rollout.register_rollout_engine(name) before building the config.")
         if self.per_row_sampling_seed and getattr(self, "use_vllm", False) and getattr(self, "vllm_mode", "") == "server":
             raise ValueError("per_row_sampling_seed cannot be honoured by a server (rows are batched into "
                              "requests): turn it off, or use vllm_mode='colocate'.")

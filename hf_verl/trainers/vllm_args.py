@@ -63,32 +63,3 @@ class VLLMArguments:
         if self.vllm_importance_sampling_mode not in IS_MODES:
             raise ValueError(f"vllm_importance_sampling_mode must be one of {IS_MODES}, "
                              f"got {self.vllm_importance_sampling_mode!r}.")
-
-
-def colocate_max_model_len(args, model_config, max_new_tokens: int) -> int:
-    """The context length of a colocated vLLM engine: `vllm_max_model_length`, else the longest prompt
-    plus completion, never more than the model's positions (`max_position_embeddings`).
-
-    Raises:
-        ValueError: an explicit `vllm_max_model_length` beyond the model's positions, or a completion
-            limit alone that does not fit them, naming the fields to change.
-    """
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if args.vllm_max_model_length is not None:
-        if positions is not None and args.vllm_max_model_length > positions:
-            raise ValueError(
-                f"vllm_max_model_length={args.vllm_max_model_length} exceeds the model's {positions} positions "
-                f"(max_position_embeddings): set vllm_max_model_length <= {positions}.")
-        return args.vllm_max_model_length
-    wanted = (args.max_prompt_length or 512) + max_new_tokens
-    if positions is None or wanted <= positions:
-        return wanted
-    if max_new_tokens >= positions:
-        raise ValueError(
-            f"the completion limit ({max_new_tokens} tokens) leaves no room for a prompt in the model's {positions} "
-            "positions (max_position_embeddings): lower max_completion_length (GRPO) / response_length (PPO).")
-    logger.warning(
-        "max_prompt_length (%s) + max_completion_length (%d) = %d exceeds the model's %d positions: the vLLM "
-        "engine is limited to %d tokens (set max_prompt_length <= %d, or vllm_max_model_length, to decide "
-        "yourself)", args.max_prompt_length, max_new_tokens, wanted, positions, positions, positions - max_new_tokens)
-    return positions

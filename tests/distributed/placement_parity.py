@@ -63,7 +63,7 @@ def run(placement: dict, out: str) -> None:
     if dims.is_main:
         roles = {}
         for name in ("actor", "critic", "reference"):
-            engine = facade._role_engine(name)
+            engine = facade.roles.engine(name)
             if engine is None:  # a served reference
                 continue
             param = next(engine.model.parameters())

@@ -57,9 +57,9 @@ def run(sources: dict, tok, dims_out: dict) -> tuple[list[float], dict, dict, di
         loss = facade.compute_loss(rollout)
         losses.append(comm.reduce(dims, loss.detach().reshape(1), "mean").item())
         facade.step(loss)
-    backends = {name: facade._role_engine(name).backend.label for name in ("actor", "reference", "critic")}
-    actor = facade._role_engine("actor").full_state_dict()  # collectives: the main rank keeps the tensors
-    critic = facade._role_engine("critic").full_state_dict()
+    backends = {name: facade.roles.engine(name).backend.label for name in ("actor", "reference", "critic")}
+    actor = facade.roles.engine("actor").full_state_dict()  # collectives: the main rank keeps the tensors
+    critic = facade.roles.engine("critic").full_state_dict()
     dims_out["rank"], dims_out["world"] = dims.dp_rank, dims.world_size
     facade.close()
     return losses, backends, actor, critic
