@@ -1,27 +1,31 @@
-"""The settings schema of hf_verl: every RL setting declared once, checked by one mechanism.
+"""The settings schema of hf_verl: every RL setting declared once, with one default, checked by one mechanism.
 
 Each :class:`Setting` holds a default, the accepted types, a range check and the words describing it.
 :func:`check_setting` is the one validation mechanism: an accepted value (an int where a float is asked is
-widened), or a `TypeError` / `ValueError` that names the owner and the setting and states what is valid. Two
-front-ends read the schema:
+widened), or a `TypeError` / `ValueError` that names the owner and the setting and states what is valid. Every
+front-end reads the schema:
 
-- the TRL-style configs (`GRPOConfig`, `PPOConfig`) run :func:`check_settings` on every schema setting they
-  carry (:attr:`Setting.trainers`), before their own cross-field rules (TRL's, kept with TRL's messages);
+- the TRL-style configs (`GRPOConfig`, `PPOConfig`, `DPOConfig`) declare the fields that carry a schema setting
+  with :func:`setting_field` (the default and the help come from here) and run :func:`check_settings` on them
+  (:attr:`Setting.trainers`) before their own cross-field rules (TRL's, kept with TRL's messages);
 - the facade's :class:`~hf_verl.facade.config.TrainerConfig` *is* the schema: its attributes are
   :data:`SETTINGS`, checked on every assignment.
 
-Names and defaults are those of the TRL-style configs (GRPOConfig; PPOConfig for the critic's knobs), so a
-setting means one thing with one default wherever it is written; :data:`FACADE_DEFAULTS` lists the facade's few
-departures (each with its reason). Settings with `trainers=False` are the facade's alone (the trainers take them
-from `TrainingArguments`, or do not have the concept).
+A setting means one thing with one default wherever it is written. Where a front-end keeps TRL's own default or
+name, the schema says so per front-end (:data:`FRONT_ENDS`): :attr:`Setting.defaults` (PPOConfig samples at
+`temperature=0.7`, the facade rolls out asynchronously), with the reason in :data:`DEPARTURES`, and
+:attr:`Setting.names` (TRL PPO's `cliprange` is the schema's `epsilon`; DPO's `beta` is another concept).
+`tests/test_settings_schema.py` compares every config field's default and validation with the schema. Settings
+with `trainers=False` are validated by the facade only (the trainers take them from `TrainingArguments`, or check
+them their own way).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hf_verl.algorithms.advantages import SCALE_REWARDS
@@ -32,12 +36,21 @@ from hf_verl.algorithms.policy_losses import IS_LEVELS
 from hf_verl.algorithms.registry import advantage_estimator_names, resolve_policy_loss
 
 
+FRONT_ENDS = ("grpo", "ppo", "dpo", "facade")
+"""The front-ends that read the schema: `GRPOConfig`, `PPOConfig`, `DPOConfig` and the facade's `TrainerConfig`."""
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting: its default, accepted types, a range check and the words describing it.
 
     Attributes:
         trainers (`bool`): whether the TRL-style configs validate it too (where they carry it).
+        defaults (`Mapping[str, Any]`): a front-end's own default where it keeps another (TRL's) one, by front-end
+            (:data:`FRONT_ENDS`); the reason is in :data:`DEPARTURES`.
+        names (`Mapping[str, str | None]`): a front-end's name for the setting where it is not the schema's (TRL PPO's
+            `cliprange` for `epsilon`), or None where a front-end carries another concept under the schema's name
+            (DPO's `beta` is the DPO temperature, not a KL weight).
     """
 
     default: Any
@@ -46,6 +59,16 @@ class Setting:
     valid: str
     help: str
     trainers: bool = True
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    names: Mapping[str, str | None] = field(default_factory=dict)
+
+    def default_for(self, front_end: str | None) -> Any:
+        """The default of `front_end` (the schema's unless it keeps its own)."""
+        return self.defaults.get(front_end, self.default)
+
+    def name_in(self, front_end: str | None, name: str) -> str | None:
+        """The field that carries this setting (`name` in the schema) in `front_end`'s config; None: none does."""
+        return self.names.get(front_end, name)
 
 
 Field = Setting  # the facade's earlier name
@@ -95,11 +118,14 @@ SETTINGS: dict[str, Setting] = {
     "rollout_batch_size": Setting(16, (int,), _pos_int, "an int >= 1",
                                 "Prompts drawn per `rollout()` (per data-parallel rank) when it is called without a "
                                 "batch.", trainers=False),
-    "num_generations": Setting(8, (int,), _pos_int, "an int >= 1", "Completions generated per prompt (the group size)."),
-    "max_completion_length": Setting(512, (int,), _pos_int, "an int >= 1", "Maximum tokens generated per completion."),
+    "num_generations": Setting(8, (int,), _pos_int, "an int >= 1", "Completions generated per prompt (the group size).",
+                               defaults={"ppo": 1}),
+    "max_completion_length": Setting(512, (int,), _pos_int, "an int >= 1", "Maximum tokens generated per completion.",
+                                     defaults={"ppo": 53}, names={"ppo": "response_length"}),
     "max_prompt_length": Setting(512, (int, _NONE), lambda v: v is None or v >= 1, "None or an int >= 1",
                                "Prompts are left-truncated to this many tokens; None keeps them whole."),
-    "temperature": Setting(1.0, (float,), _nonneg, "a finite float >= 0 (0 is greedy)", "Sampling temperature."),
+    "temperature": Setting(1.0, (float,), _nonneg, "a finite float >= 0 (0 is greedy)", "Sampling temperature.",
+                           defaults={"ppo": 0.7}),
     "top_p": Setting(1.0, (float,), lambda v: 0.0 < v <= 1.0, "a float in (0, 1]", "Nucleus sampling mass."),
     "top_k": Setting(0, (int,), lambda v: v >= 0, "an int >= 0 (0 disables it)", "Top-k sampling."),
     "min_p": Setting(None, (float, _NONE), lambda v: v is None or 0.0 <= v <= 1.0, "None or a float in [0, 1]",
@@ -115,29 +141,35 @@ SETTINGS: dict[str, Setting] = {
                                    "'auto' or a registered estimator (hf_verl.algorithms.advantage_estimator_names(): "
                                    "gae, grpo, rloo, ..., or one registered with register_advantage_estimator)",
                                    "Advantage estimator: 'auto' is 'gae' with a critic and 'grpo' without.",
-                                   trainers=False),
+                                   trainers=False, defaults={"grpo": "grpo", "ppo": "gae"}),
     "scale_rewards": Setting("group", (str,), lambda v: v in SCALE_REWARDS, f"one of {SCALE_REWARDS}",
                            "GRPO: divide by the group's reward std ('group'), the batch's, or not at all."),
     "gamma": Setting(1.0, (float,), _unit, "a float in [0, 1]", "Discount factor (GAE, REINFORCE++)."),
     "lam": Setting(0.95, (float,), _unit, "a float in [0, 1]", "GAE lambda."),
     "whiten_advantages": Setting(True, (bool,), lambda v: True, "True or False",
-                               "Whiten GAE advantages over the rollout's tokens (as TRL and verl do).", trainers=False),
-    "epsilon": Setting(0.2, (float,), _pos, "a finite float > 0", "PPO ratio clip range (lower, and upper by default)."),
+                               "Whiten GAE advantages over the rollout's tokens (as TRL and verl do)."),
+    "epsilon": Setting(0.2, (float,), _pos, "a finite float > 0", "PPO ratio clip range (lower, and upper by default).",
+                       names={"ppo": "cliprange"}),
     "epsilon_high": Setting(None, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
-                          "Upper clip range (clip-higher); None: epsilon."),
+                          "Upper clip range (clip-higher); None: epsilon.", names={"ppo": "cliprange_high"}),
     "cliprange_value": Setting(0.2, (float,), _pos, "a finite float > 0",
                              "Clip range of the value loss around the rollout's values."),
     "beta": Setting(0.0, (float,), _nonneg, "a finite float >= 0",
-                  "Weight of the KL-to-reference loss term; 0 disables it."),
-    "kl_estimator": Setting("k3", (str,), lambda v: v in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}", "KL estimator.", trainers=False),
+                  "Weight of the KL to the reference (a loss term; PPOTrainer: a reward penalty unless use_kl_loss); 0 "
+                  "disables it.", defaults={"ppo": 0.05}, names={"ppo": "kl_coef", "dpo": None}),
+    "kl_estimator": Setting("k3", (str,), lambda v: v in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}",
+                            "Estimator of the KL loss term (PPOTrainer: kl_loss_estimator; its kl_estimator is TRL's "
+                            "reward-penalty estimator).", names={"ppo": "kl_loss_estimator"}),
     "entropy_coef": Setting(0.0, (float,), _nonneg, "a finite float >= 0", "Weight of the entropy bonus."),
     "vf_coef": Setting(0.1, (float,), _nonneg, "a finite float >= 0", "Weight of the value loss."),
     "loss_type": Setting("dapo", (str,), lambda v: v in LOSS_TYPES or v in VERL_AGGREGATIONS,
                        f"one of {LOSS_TYPES} or verl's {tuple(VERL_AGGREGATIONS)}",
                        "TRL's loss type: the aggregation of per-token losses and, for cispo / sapo / vespo, the loss "
-                       "form (see hf_verl.algorithms.policy_loss); verl's loss_agg_mode names also work."),
+                       "form (see hf_verl.algorithms.policy_loss); verl's loss_agg_mode names also work.",
+                       defaults={"ppo": "token-mean"}, names={"ppo": "loss_agg_mode", "dpo": None}),
     "policy_loss": Setting(None, (str, _NONE), lambda v: v is None or _known_policy_loss(v),
-                         "None or a policy loss name (hf_verl.algorithms.policy_losses)",
+                         "None or a registered policy loss (hf_verl.algorithms.POLICY_LOSSES: clip, vanilla, gspo, "
+                         "cispo, sapo, ..., or one registered with register_policy_loss)",
                          "The loss form by verl's name (vanilla, gspo, cispo, sapo, ...); None: loss_type's."),
     "importance_sampling_level": Setting("token", (str,), lambda v: v in IS_LEVELS, f"one of {IS_LEVELS}",
                                        "'sequence': one ratio per sequence (GSPO)."),
@@ -150,12 +182,14 @@ SETTINGS: dict[str, Setting] = {
                                        "Drop negative-advantage sequences whose mean sampling/current log-ratio "
                                        "exceeds it (off-policy sequence masking)."),
     "use_bias_correction_kl": Setting(True, (bool,), lambda v: True, "True or False",
-                                    "Multiply the KL term by the importance ratio current/old (TRL's default)."),
+                                    "Multiply the KL term by the importance ratio current/old (TRL's default).",
+                                    defaults={"ppo": False}),
     "top_entropy_quantile": Setting(1.0, (float,), _unit, "a float in [0, 1]",
                                   "Train only on the top fraction of tokens by entropy (1.0: all)."),
-    "learning_rate": Setting(1e-6, (float,), _pos, "a finite float > 0", "Actor AdamW learning rate.", trainers=False),
+    "learning_rate": Setting(1e-6, (float,), _pos, "a finite float > 0", "Actor AdamW learning rate.", trainers=False,
+                             defaults={"ppo": 3e-6}),
     "critic_learning_rate": Setting(None, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
-                                  "Critic AdamW learning rate; None: learning_rate.", trainers=False),
+                                  "Critic AdamW learning rate; None: learning_rate."),
     "weight_decay": Setting(0.0, (float,), _nonneg, "a finite float >= 0", "AdamW weight decay (both roles).", trainers=False),
     "max_grad_norm": Setting(1.0, (float, _NONE), lambda v: v is None or _pos(v), "None or a finite float > 0",
                            "Gradient-norm clip per role; None disables clipping.", trainers=False),
@@ -198,7 +232,8 @@ SETTINGS: dict[str, Setting] = {
     "use_async_rollout": Setting(False, (bool,), lambda v: True, "True or False",
                                  "Generate and score the next round in a background thread while the current one "
                                  "trains (the facade: `rollout()` without a batch, and `rollouts(...)`; an explicit "
-                                 "`rollout(batch)` is always synchronous). The facade's default is True."),
+                                 "`rollout(batch)` is always synchronous). The facade's default is True.",
+                                 defaults={"facade": True}),
     "max_staleness": Setting(1, (int,), lambda v: v >= 0, "an int >= 0",
                            "Most policy versions a rollout's weights may lag behind the actor when it is "
                            "handed out (the facade: optimizer steps; the trainers: rounds); 0 makes async rollout "
@@ -228,10 +263,29 @@ SETTINGS: dict[str, Setting] = {
     "vespo_lambda_neg": Setting(2.0, (float,), _pos, "a finite float > 0", "VESPO gamma-weight rate, A < 0."),
 }
 
-# the facade's departures from the trainers' defaults
-FACADE_DEFAULTS: dict[str, Any] = {
-    "use_async_rollout": True,  # the seed article's key default; the TRL-style trainers keep TRL's False
+DEPARTURES: dict[tuple[str, str], str] = {
+    ("use_async_rollout", "facade"): "the seed article's key default; the TRL-style trainers keep TRL's False",
+    ("num_generations", "ppo"): "TRL's PPO samples one completion per prompt (GAE needs no group)",
+    ("max_completion_length", "ppo"): "TRL's PPO names it response_length, default 53",
+    ("temperature", "ppo"): "TRL's PPOConfig samples at 0.7",
+    ("beta", "ppo"): "TRL's PPO names it kl_coef, default 0.05 (a reward penalty unless use_kl_loss)",
+    ("loss_type", "ppo"): "PPO aggregates by verl's loss_agg_mode, default token-mean",
+    ("use_bias_correction_kl", "ppo"): "PPO's KL is a reward penalty by default; the correction is GRPO's (TRL)",
+    ("learning_rate", "ppo"): "TRL's PPOConfig default",
+    ("advantage_estimator", "grpo"): "GRPOTrainer is the critic-free family: GRPO",
+    ("advantage_estimator", "ppo"): "PPOTrainer is PPO with a critic: GAE",
 }
+"""Why a front-end keeps its own default, per (setting, front-end): every entry of a :attr:`Setting.defaults`."""
+
+FACADE_DEFAULTS: dict[str, Any] = {name: s.defaults["facade"] for name, s in SETTINGS.items() if "facade" in s.defaults}
+"""The facade's departures from the trainers' defaults."""
+
+
+def setting_field(name: str, front_end: str, help: str | None = None) -> Any:
+    """A config dataclass field carrying schema setting `name` for `front_end`: its default is the schema's (the
+    front-end's own where :attr:`Setting.defaults` says so), its help the schema's unless `help` is given."""
+    spec = SETTINGS[name]
+    return field(default=spec.default_for(front_end), metadata={"help": help or spec.help})
 
 
 def check_setting(owner: str, name: str, value: Any, spelled: str | None = None) -> Any:
@@ -257,8 +311,10 @@ def check_setting(owner: str, name: str, value: Any, spelled: str | None = None)
 
 def check_settings(config: Any, names: Iterable[str] | None = None) -> None:
     """Check every schema setting `config` carries (those marked `trainers`, or `names`) with
-    :func:`check_setting`, writing back the accepted (widened) values."""
-    owner = type(config).__name__
+    :func:`check_setting`, under the config's own name for it (its `_front_end`'s, :attr:`Setting.names`), writing
+    back the accepted (widened) values."""
+    owner, front_end = type(config).__name__, getattr(config, "_front_end", None)
     for name in names if names is not None else (n for n, s in SETTINGS.items() if s.trainers):
-        if hasattr(config, name):
-            setattr(config, name, check_setting(owner, name, getattr(config, name)))
+        attr = SETTINGS[name].name_in(front_end, name)
+        if attr is not None and hasattr(config, attr):
+            setattr(config, attr, check_setting(owner, name, getattr(config, attr), spelled=attr))

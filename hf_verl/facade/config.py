@@ -18,10 +18,10 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
-from hf_verl.settings import FACADE_DEFAULTS, SETTINGS, Setting, check_setting
+from hf_verl.settings import SETTINGS, Setting, check_setting
 
 # the facade's settings: the schema's, with the facade's few defaults of its own
-FIELDS: dict[str, Setting] = {name: dataclasses.replace(f, default=FACADE_DEFAULTS.get(name, f.default))
+FIELDS: dict[str, Setting] = {name: dataclasses.replace(f, default=f.default_for("facade"))
                               for name, f in SETTINGS.items()}
 Field = Setting  # the earlier name of a setting's declaration
 

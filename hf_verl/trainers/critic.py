@@ -14,7 +14,11 @@ import logging
 import os
 
 import torch
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, TrainerCallback
+from transformers import (
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+    TrainerCallback,
+)
 
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.step import OptimizerSpec

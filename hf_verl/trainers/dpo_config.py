@@ -21,6 +21,7 @@ from transformers import TrainingArguments
 from hf_verl.algorithms.dpo_losses import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
 from hf_verl.data.batch import resolve_pad_to_multiple_of
 from hf_verl.data.preference import TRUNCATION_MODES
+from hf_verl.settings import check_settings, setting_field
 from hf_verl.trainers.model_parallel_args import ModelParallelArguments
 from hf_verl.trainers.parallel_args import ParallelArguments
 
@@ -35,9 +36,11 @@ def _help(text: str) -> Any:
 class DPOConfig(ModelParallelArguments, ParallelArguments, TrainingArguments):
     """Configuration of :class:`~hf_verl.DPOTrainer` (a `transformers.TrainingArguments`); see the module docstring."""
 
+    _front_end = "dpo"  # the schema's name for this config (hf_verl.settings: defaults and names)
+
     _placement_roles = ("reference",)  # what `placement` may place (a class attribute)
 
-    learning_rate: float = field(default=1e-6, metadata=_help("AdamW learning rate (TRL's default)."))
+    learning_rate: float = setting_field("learning_rate", "dpo", "AdamW learning rate (TRL's default).")
     logging_steps: float = field(default=10, metadata=_help("Log every N steps."))
     gradient_checkpointing: bool = field(default=True, metadata=_help("Activation checkpointing (TRL's default)."))
     bf16: bool | None = field(default=None, metadata=_help("None: True on bf16-capable CUDA, else False."))
@@ -73,18 +76,18 @@ class DPOConfig(ModelParallelArguments, ParallelArguments, TrainingArguments):
     f_alpha_divergence_coef: float = field(default=0.5, metadata=_help("alpha of the alpha-divergence."))
     label_smoothing: float = field(default=0.0, metadata=_help("robust / exo_pair / aot label smoothing."))
     beta: float = field(default=0.1, metadata=_help("Inverse temperature of the implicit reward."))
-    sequence_parallel_size: int = field(default=1, metadata={"help": (
-        "Ulysses sequence-parallel degree: each row's sequence is split over this many processes (padding-free "
-        "packed batches; see docs/sequence_parallel.md). The launch's processes are data-parallel ranks x this.")})
+    sequence_parallel_size: int = setting_field("sequence_parallel_size", "dpo", (
+        "Ulysses sequence-parallel degree: each row's sequence is split over this many processes (padding-free packed"
+        " batches; see docs/sequence_parallel.md). The launch's processes are data-parallel ranks x this."))
     use_weighting: bool = field(default=False, metadata=_help(
         "WPO: weigh each pair's loss by the policy's aligned probability of both answers."))
     discopop_tau: float = field(default=0.05, metadata=_help("DiscoPOP temperature."))
     sync_ref_model: bool = field(default=False, metadata=_help("Mix the policy into the reference every ref_model_sync_steps (TR-DPO)."))
     ref_model_mixup_alpha: float = field(default=0.6, metadata=_help("ref <- alpha * policy + (1 - alpha) * ref."))
     ref_model_sync_steps: int = field(default=512, metadata=_help("Steps between reference syncs."))
-    logprob_chunk_size: int = field(default=1024, metadata=_help(
-        "Positions per chunk when scoring log-probs, at most: fewer above a 64k vocabulary, where a chunk's "
-        "fp32 logits stay within 256 MiB."))
+    logprob_chunk_size: int = setting_field("logprob_chunk_size", "dpo", (
+        "Positions per chunk when scoring log-probs, at most: fewer above a 64k vocabulary, where a chunk's fp32 "
+        "logits stay within 256 MiB."))
 
     def __post_init__(self) -> None:
         if self.bf16 is None:
@@ -102,6 +105,7 @@ class DPOConfig(ModelParallelArguments, ParallelArguments, TrainingArguments):
         self._validate()
 
     def _validate(self) -> None:
+        check_settings(self)  # the schema's settings DPO carries (its beta and loss_type are its own concepts)
         unknown = [t for t in self.loss_type if t not in DPO_LOSS_TYPES]
         if unknown:
             raise ValueError(f"unknown loss_type {unknown}; choose from {DPO_LOSS_TYPES}.")

@@ -40,8 +40,8 @@ from hf_verl.data.preference import (
 )
 from hf_verl.data.prompts import ensure_pad_token
 from hf_verl.engine.base import TrainingEngine
-from hf_verl.engine.step import ForwardRequest, TokenQuery
 from hf_verl.engine.model_options import router_aux_loss
+from hf_verl.engine.step import ForwardRequest, TokenQuery
 from hf_verl.parallel import comm
 from hf_verl.parallel.sharded_load import loaded_sharded, state_sums
 from hf_verl.trainers.dpo_config import DPOConfig

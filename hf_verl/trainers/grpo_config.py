@@ -17,10 +17,13 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from hf_verl.settings import check_settings
-from hf_verl.algorithms.registry import advantage_estimator_names, get_advantage_estimator
 from hf_verl.algorithms.policy_loss import LOSS_TYPES
+from hf_verl.algorithms.registry import (
+    advantage_estimator_names,
+    get_advantage_estimator,
+)
 from hf_verl.data.batch import resolve_pad_to_multiple_of
+from hf_verl.settings import check_settings, setting_field
 from hf_verl.trainers.model_parallel_args import ModelParallelArguments
 from hf_verl.trainers.parallel_args import ParallelArguments
 from hf_verl.trainers.policy_args import (
@@ -49,12 +52,14 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParall
     `epsilon`/`epsilon_high`, a k3 KL term weighted by `beta`, aggregated per `loss_type`.
     """
 
+    _front_end = "grpo"  # the schema's name for this config (hf_verl.settings: defaults and names)
+
     _placement_roles = ("reference", "generator")  # what `placement` may place (a class attribute)
 
-    learning_rate: float = field(default=1e-6, metadata=_help("AdamW learning rate (TRL's default)."))
-    sequence_parallel_size: int = field(default=1, metadata={"help": (
-        "Ulysses sequence-parallel degree: each row's sequence is split over this many processes (padding-free "
-        "packed batches; see docs/sequence_parallel.md). The launch's processes are data-parallel ranks x this.")})
+    learning_rate: float = setting_field("learning_rate", "grpo", "AdamW learning rate (TRL's default).")
+    sequence_parallel_size: int = setting_field("sequence_parallel_size", "grpo", (
+        "Ulysses sequence-parallel degree: each row's sequence is split over this many processes (padding-free packed"
+        " batches; see docs/sequence_parallel.md). The launch's processes are data-parallel ranks x this."))
     logging_steps: float = field(default=10, metadata=_help("Log every N steps."))
     gradient_checkpointing: bool = field(default=True, metadata=_help("Activation checkpointing."))
     bf16: bool | None = field(default=None, metadata=_help("None: True on bf16-capable CUDA, else False."))
@@ -62,27 +67,33 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParall
 
     model_init_kwargs: dict | None = field(default=None, metadata=_help("kwargs of from_pretrained for a model id."))
     disable_dropout: bool = field(default=False, metadata=_help("Set every dropout probability to 0."))
-    max_prompt_length: int | None = field(default=512, metadata=_help("Left-truncate prompts to this many tokens; None: no limit."))
-    num_generations: int = field(default=8, metadata=_help("Completions per prompt (the GRPO group size), >= 2."))
-    max_completion_length: int = field(default=512, metadata=_help("Maximum tokens per completion."))
+    max_prompt_length: int | None = setting_field("max_prompt_length", "grpo", (
+        "Left-truncate prompts to this many tokens; None: no limit."))
+    num_generations: int = setting_field("num_generations", "grpo", (
+        "Completions per prompt (the GRPO group size), >= 2."))
+    max_completion_length: int = setting_field("max_completion_length", "grpo", "Maximum tokens per completion.")
     generation_batch_size: int | None = field(default=None, metadata=_help("Completions per generation round (global)."))
     steps_per_generation: int | None = field(default=None, metadata=_help("Optimizer steps per generation round; default gradient_accumulation_steps."))
     shuffle_dataset: bool = field(default=True, metadata=_help("Shuffle the prompt dataset."))
-    temperature: float = field(default=1.0, metadata=_help("Sampling temperature."))
-    top_p: float = field(default=1.0, metadata=_help("Nucleus sampling mass."))
-    top_k: int = field(default=0, metadata=_help("Top-k sampling; 0 disables."))
-    min_p: float | None = field(default=None, metadata=_help("Min-p sampling; None disables."))
-    repetition_penalty: float = field(default=1.0, metadata=_help("Repetition penalty; 1.0 disables."))
-    stop: list[str] | None = field(default=None, metadata=_help("Stop strings that end a completion."))
-    beta: float = field(default=0.0, metadata=_help("KL coefficient; > 0 creates a reference model."))
+    temperature: float = setting_field("temperature", "grpo", "Sampling temperature.")
+    top_p: float = setting_field("top_p", "grpo", "Nucleus sampling mass.")
+    top_k: int = setting_field("top_k", "grpo", "Top-k sampling; 0 disables.")
+    min_p: float | None = setting_field("min_p", "grpo", "Min-p sampling; None disables.")
+    repetition_penalty: float = setting_field("repetition_penalty", "grpo", "Repetition penalty; 1.0 disables.")
+    stop: list[str] | None = setting_field("stop", "grpo", "Stop strings that end a completion.")
+    beta: float = setting_field("beta", "grpo", "KL coefficient; > 0 creates a reference model.")
+    kl_estimator: str = setting_field("kl_estimator", "grpo", (
+        "Estimator of the KL loss term weighted by beta: 'k3' (TRL's), 'k2' or 'k1'."))
     num_iterations: int = field(default=1, metadata=_help("Passes over each generation batch (mu)."))
-    epsilon: float = field(default=0.2, metadata=_help("Lower clip range."))
-    epsilon_high: float | None = field(default=None, metadata=_help("Upper clip range; default epsilon (clip-higher when larger)."))
-    dual_clip: float | None = field(default=None, metadata=_help("Dual-clip constant c > 1; None disables."))
+    epsilon: float = setting_field("epsilon", "grpo", "Lower clip range.")
+    epsilon_high: float | None = setting_field("epsilon_high", "grpo", (
+        "Upper clip range; default epsilon (clip-higher when larger)."))
+    dual_clip: float | None = setting_field("dual_clip", "grpo", "Dual-clip constant c > 1; None disables.")
     reward_weights: list[float] | None = field(default=None, metadata=_help("One weight per reward function; default all 1."))
-    scale_rewards: str = field(default="group", metadata=_help("'group', 'batch' or 'none' (True/False accepted as in TRL)."))
-    loss_type: str = field(default="dapo", metadata=_help(f"One of {LOSS_TYPES}, or verl's loss_agg_mode names."))
-    advantage_estimator: str = field(default="grpo", metadata=_help(
+    scale_rewards: str = setting_field("scale_rewards", "grpo", (
+        "'group', 'batch' or 'none' (True/False accepted as in TRL)."))
+    loss_type: str = setting_field("loss_type", "grpo", f"One of {LOSS_TYPES}, or verl's loss_agg_mode names.")
+    advantage_estimator: str = setting_field("advantage_estimator", "grpo", (
         "A registered critic-free estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, "
         "remax, gpg, grpo_passk, opo, gdpo, optimal_token_baseline, ..., or your own "
         "(hf_verl.algorithms.register_advantage_estimator)."))
@@ -108,11 +119,11 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParall
         "Pad rollout prompt and completion tensors to a multiple of this; 'auto': None (TRL: 128 on Neuron only)."))
 
     # --- generation
-    generation_kwargs: dict | None = field(default=None, metadata=_help(
+    generation_kwargs: dict | None = setting_field("generation_kwargs", "grpo", (
         "Sampling settings that override the fields above (temperature, top_p, top_k, min_p, repetition_penalty, "
         "max_tokens / max_new_tokens, stop); without vLLM, also any other transformers GenerationConfig field "
         "(num_beams, no_repeat_ngram_size, ...), passed to model.generate."))
-    chat_template_kwargs: dict | None = field(default=None, metadata=_help(
+    chat_template_kwargs: dict | None = setting_field("chat_template_kwargs", "grpo", (
         "Extra keyword arguments of apply_chat_template for conversational prompts (e.g. enable_thinking)."))
     cache_implementation: str | None = field(default=None, metadata=_help(
         "transformers generate's cache_implementation (e.g. 'static'); used by the transformers engine."))
@@ -126,7 +137,7 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParall
         "Only with use_transformers_continuous_batching (not supported)."))
     use_transformers_paged: bool = field(default=False, metadata=_help(
         "Deprecated alias of use_transformers_continuous_batching (not supported)."))
-    max_tool_calling_iterations: int | None = field(default=None, metadata=_help(
+    max_tool_calling_iterations: int | None = setting_field("max_tool_calling_iterations", "grpo", (
         "Most tool-calling rounds per completion when tools are given; None: no limit but the token budget."))
     multi_objective_aggregation: str = field(default="sum_then_normalize", metadata=_help(
         "'sum_then_normalize': weight and sum the rewards, then normalise per group; 'normalize_then_sum' (GDPO): "

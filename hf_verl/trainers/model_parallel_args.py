@@ -21,6 +21,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_verl.settings import check_settings, setting_field
+
 logger = logging.getLogger(__name__)
 
 def _help(text: str) -> Any:
@@ -33,19 +35,19 @@ TRL_ARGUMENTS = {"reference": "ref_model=", "critic": "value_model=", "reward": 
 
 @dataclass
 class ModelParallelArguments:
-    backend: str | None = field(default=None, metadata=_help(
-        "The training engine: None / 'auto' takes the launch's (DDP, FSDP2, ZeRO from the accelerate config; "
-        "Megatron from a MEGATRON_LM one); 'megatron' runs every model role on Megatron-Core tensor / pipeline "
-        "parallelism through hf_verl's HF<->Megatron bridge (needs megatron-core: pip install 'hf_verl[megatron]')."))
-    tensor_model_parallel_size: int = field(default=1, metadata=_help(
+    backend: str | None = setting_field("backend", None, (
+        "The training engine: None / 'auto' takes the launch's (DDP, FSDP2, ZeRO from the accelerate config; Megatron"
+        " from a MEGATRON_LM one); 'megatron' runs every model role on Megatron-Core tensor / pipeline parallelism "
+        "through hf_verl's HF<->Megatron bridge (needs megatron-core: pip install 'hf_verl[megatron]')."))
+    tensor_model_parallel_size: int = setting_field("tensor_model_parallel_size", None, (
         "Megatron tensor-parallel degree (backend='megatron'); must divide the attention and key-value heads."))
-    pipeline_model_parallel_size: int = field(default=1, metadata=_help(
+    pipeline_model_parallel_size: int = setting_field("pipeline_model_parallel_size", None, (
         "Megatron pipeline stages (backend='megatron'); must divide the layers."))
-    parallel: str | None = field(default=None, metadata=_help(
+    parallel: str | None = setting_field("parallel", None, (
         "'auto': hf_verl's planner chooses the layout (tp / pp / sp, FSDP2, activation checkpointing, micro-batch) "
         "for this launch's processes from model_size, logged once; an explicit layout in this config or the launch "
         "wins (the log says so). None / 'manual': the layout is the launch's and these fields' (docs/planner.md)."))
-    model_size: int | str | None = field(default=None, metadata=_help(
+    model_size: int | str | None = setting_field("model_size", None, (
         "What parallel='auto' / per_device_train_batch_size='auto' size: a size string ('7b', '500M'), a parameter "
         "count, or the model's local path / Hub id (its config is read offline)."))
     placement: dict | None = field(default=None, metadata=_help(
@@ -63,11 +65,10 @@ class ModelParallelArguments:
         from hf_verl.parallel.megatron.launch import resolve_megatron_settings
         from hf_verl.parallel.planner.apply import apply_parallel_plan
 
+        # checked first (before the planner and the launch read them), by the schema's one mechanism (hf_verl.settings)
+        check_settings(self, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "backend", "parallel",
+                              "sequence_parallel_size"))
         apply_parallel_plan(self, self.model_size, type(self).__name__)  # parallel="auto": before the layout is read
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
         self.backend, self.tensor_model_parallel_size, self.pipeline_model_parallel_size = resolve_megatron_settings(
             type(self).__name__, self.backend, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
             getattr(self, "sequence_parallel_size", 1))

@@ -36,12 +36,12 @@ from hf_verl.data.prompts import (
     ensure_pad_token,
 )
 from hf_verl.data.samplers import RepeatGroupSampler, ReplicaDeal, process_dp_ranks
-from hf_verl.parallel.precision import amp_dtype
 from hf_verl.parallel import comm
+from hf_verl.parallel.precision import amp_dtype
+from hf_verl.parallel.sharded_load import loaded_sharded
 from hf_verl.pipeline import generation
 from hf_verl.pipeline.algorithm import Roles, make_algorithm
 from hf_verl.pipeline.orchestrator import END, RoundHost, RoundOrchestrator
-from hf_verl.parallel.sharded_load import loaded_sharded
 from hf_verl.pipeline.rounds import Collected, RoundCollector
 from hf_verl.pipeline.tool_rollout import (
     tool_frequencies,
@@ -369,8 +369,9 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         return self.args.per_device_train_batch_size
 
     def _off_policy(self) -> bool:
-        """Whether rounds are sampled by another engine or older weights than the actor's forward."""
-        return bool(self.args.use_vllm or self.args.use_async_rollout)
+        """Whether rounds are sampled by another engine or older weights than the actor's forward: vLLM, a server,
+        asynchronous rollout."""
+        return bool(self.args.use_vllm or self.args.use_async_rollout or self.engine.serves_every_rank)
 
     def _finish_round(self, batch: RolloutBatch, rows: list[dict], rewards_per_func: torch.Tensor,
                       timings: dict[str, float]) -> list[RolloutBatch]:
@@ -540,9 +541,12 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         self._buffer, self._micro_step = None, None
         self._rounds.close()
         try:
-            return super().train(*args, **kwargs)
-        finally:
+            output = super().train(*args, **kwargs)
             self._rounds.close()  # a prefetch still running finishes; its result is dropped
+            self._sync_engine()  # the generator ends on the trained weights (a server goes on serving them)
+            return output
+        finally:
+            self._rounds.close()
 
     def _train_window(self, window: list) -> list[torch.Tensor]:
         """One optimizer step's micro-batches: each micro-step's batch from the round buffer (a new round is rolled

@@ -47,10 +47,10 @@ class ParallelArguments:
         it takes the launch's `parallelism_config` sp_size (both set and different: an error)."""
         from hf_verl.parallel.backend import resolve_sequence_parallel_size
 
-        sp = self.sequence_parallel_size
-        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-            raise ValueError(f"sequence_parallel_size must be an int >= 1, got {sp!r}.")
-        sp = self.sequence_parallel_size = resolve_sequence_parallel_size(sp)
+        from hf_verl.settings import check_settings
+
+        check_settings(self, ("sequence_parallel_size",))  # the schema's one mechanism (hf_verl.settings)
+        sp = self.sequence_parallel_size = resolve_sequence_parallel_size(self.sequence_parallel_size)
         if self.world_size % sp:
             raise ValueError(f"sequence_parallel_size={sp} does not divide the {self.world_size} launched processes: "
                              f"launch a multiple of {sp} processes or choose a divisor of {self.world_size}.")
@@ -58,7 +58,10 @@ class ParallelArguments:
     def _take_over_deepspeed(self) -> None:
         if getattr(self, "deepspeed_plugin", None) is None:
             return
-        from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+        from transformers.integrations import (
+            is_deepspeed_zero3_enabled,
+            unset_hf_deepspeed_config,
+        )
 
         if is_deepspeed_zero3_enabled():
             if self.data_parallel_size >= 2:

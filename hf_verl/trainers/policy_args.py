@@ -18,6 +18,7 @@ from hf_verl.algorithms.policy_losses import (
     resolve_policy_loss,
 )
 from hf_verl.pipeline.losses import loss_form, loss_params
+from hf_verl.settings import setting_field
 
 logger = logging.getLogger(__name__)
 
@@ -30,26 +31,29 @@ def _help(text: str) -> Any:
 
 @dataclass
 class PolicyLossArguments:
-    policy_loss: str | None = field(default=None, metadata=_help(
+    policy_loss: str | None = setting_field("policy_loss", "grpo", (
         "Policy loss by verl's name (vanilla, gspo, cispo, sapo, vespo, geo_mean, clip_cov, kl_cov, gpg, dppo_tv, "
         "dppo_kl, ...); None: the form TRL's loss_type implies. The aggregation stays loss_type's."))
-    importance_sampling_level: str = field(default="token", metadata=_help(
+    importance_sampling_level: str = setting_field("importance_sampling_level", "grpo", (
         "'token': per-token ratios; 'sequence': one ratio per sequence, the exp of its mean log-ratio (GSPO)."))
-    delta: float | None = field(default=None, metadata=_help(
+    delta: float | None = setting_field("delta", "grpo", (
         "Two-sided clipping: cap the ratio at delta (> 1 + epsilon_high) in the unclipped branch; None disables."))
-    sapo_temperature_neg: float = field(default=1.05, metadata=_help("SAPO gate temperature for negative advantages."))
-    sapo_temperature_pos: float = field(default=1.0, metadata=_help("SAPO gate temperature for positive advantages."))
-    vespo_k_pos: float = field(default=2.0, metadata=_help("VESPO gamma-weight power for advantages >= 0."))
-    vespo_lambda_pos: float = field(default=3.0, metadata=_help("VESPO gamma-weight rate for advantages >= 0."))
-    vespo_k_neg: float = field(default=3.0, metadata=_help("VESPO gamma-weight power for negative advantages."))
-    vespo_lambda_neg: float = field(default=2.0, metadata=_help("VESPO gamma-weight rate for negative advantages."))
-    off_policy_mask_threshold: float | None = field(default=None, metadata=_help(
+    sapo_temperature_neg: float = setting_field("sapo_temperature_neg", "grpo", (
+        "SAPO gate temperature for negative advantages."))
+    sapo_temperature_pos: float = setting_field("sapo_temperature_pos", "grpo", (
+        "SAPO gate temperature for positive advantages."))
+    vespo_k_pos: float = setting_field("vespo_k_pos", "grpo", "VESPO gamma-weight power for advantages >= 0.")
+    vespo_lambda_pos: float = setting_field("vespo_lambda_pos", "grpo", "VESPO gamma-weight rate for advantages >= 0.")
+    vespo_k_neg: float = setting_field("vespo_k_neg", "grpo", "VESPO gamma-weight power for negative advantages.")
+    vespo_lambda_neg: float = setting_field("vespo_lambda_neg", "grpo", (
+        "VESPO gamma-weight rate for negative advantages."))
+    off_policy_mask_threshold: float | None = setting_field("off_policy_mask_threshold", "grpo", (
         "Drop negative-advantage sequences whose mean log-ratio sampling/current exceeds this (DeepSeek-V3.2 OPSM)."))
-    use_bias_correction_kl: bool = field(default=True, metadata=_help(
+    use_bias_correction_kl: bool = setting_field("use_bias_correction_kl", "grpo", (
         "Multiply the KL term by the importance ratio current/old (TRL's default)."))
-    top_entropy_quantile: float = field(default=1.0, metadata=_help(
+    top_entropy_quantile: float = setting_field("top_entropy_quantile", "grpo", (
         "Train only on the tokens whose entropy is in this top fraction over every rank (1.0: all tokens)."))
-    entropy_coef: float = field(default=0.0, metadata=_help("Weight of the entropy bonus (token mean)."))
+    entropy_coef: float = setting_field("entropy_coef", "grpo", "Weight of the entropy bonus (token mean).")
     use_adaptive_entropy: bool = field(default=False, metadata=_help(
         "Adapt entropy_coef once per optimizer step towards entropy_target (the bonus is on only while the "
         "last step's entropy is <= entropy_target)."))

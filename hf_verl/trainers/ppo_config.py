@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from hf_verl.settings import check_settings
-from hf_verl.algorithms.registry import get_advantage_estimator
 from hf_verl.algorithms.policy_loss import resolve_aggregation
+from hf_verl.algorithms.registry import get_advantage_estimator
+from hf_verl.settings import check_settings, setting_field
 from hf_verl.trainers.model_parallel_args import ModelParallelArguments
 from hf_verl.trainers.parallel_args import ParallelArguments
 from hf_verl.trainers.policy_args import PolicyLossArguments
@@ -36,7 +36,6 @@ from hf_verl.trainers.vllm_args import VLLMArguments
 logger = logging.getLogger(__name__)
 
 KL_ESTIMATORS = ("k1", "k3")  # TRL's, for the reward penalty
-LOSS_KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
 
 
@@ -54,7 +53,9 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParalle
     `missing_eos_penalty=None`, `learning_rate=3e-6`. See the module docstring for batch sizes.
     """
 
-    learning_rate: float = field(default=3e-6, metadata=_help("AdamW learning rate of the policy (TRL's default)."))
+    _front_end = "ppo"  # the schema's name for this config (hf_verl.settings: defaults and names)
+
+    learning_rate: float = setting_field("learning_rate", "ppo", "AdamW learning rate of the policy (TRL's default).")
     bf16: bool | None = field(default=None, metadata=_help("None: True on bf16-capable CUDA, else False."))
     remove_unused_columns: bool = field(default=False, metadata=_help("Keep extra columns for rewards."))
     logging_steps: float = field(default=10, metadata=_help("Log every N optimizer steps."))
@@ -62,16 +63,16 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParalle
     # --- TRL PPOConfig fields
     dataset_num_proc: int | None = field(default=None, metadata=_help("Processes for dataset preprocessing."))
     num_mini_batches: int = field(default=1, metadata=_help("Mini-batches (optimizer steps) per rollout and epoch."))
-    sequence_parallel_size: int = field(default=1, metadata={"help": (
-        "Ulysses sequence-parallel degree: each row's sequence is split over this many processes (padding-free "
-        "packed batches; see docs/sequence_parallel.md). The launch's processes are data-parallel ranks x this.")})
+    sequence_parallel_size: int = setting_field("sequence_parallel_size", "ppo", (
+        "Ulysses sequence-parallel degree: each row's sequence is split over this many processes (padding-free packed"
+        " batches; see docs/sequence_parallel.md). The launch's processes are data-parallel ranks x this."))
     total_episodes: int | None = field(default=None, metadata=_help("Completions to train on; sets max_steps."))
     local_rollout_forward_batch_size: int = field(default=64, metadata=_help("Per-process batch of the no-grad rollout forwards."))
     num_sample_generations: int = field(default=10, metadata=_help("Log a sample completion this many times per run (0: never)."))
-    response_length: int = field(default=53, metadata=_help("Maximum tokens per completion."))
+    response_length: int = setting_field("max_completion_length", "ppo", "Maximum tokens per completion.")
     stop_token: str | None = field(default=None, metadata=_help("'eos' to stop at EOS; None: the generation config's EOS."))
     stop_token_id: int | None = field(default=None, metadata=_help("Token id that ends a completion."))
-    temperature: float = field(default=0.7, metadata=_help("Sampling temperature."))
+    temperature: float = setting_field("temperature", "ppo", "Sampling temperature.")
     missing_eos_penalty: float | None = field(default=None, metadata=_help("Subtracted from the score of completions without EOS."))
     sft_model_path: str = field(default="EleutherAI/pythia-160m", metadata=_help("Policy path used by TRL-style scripts."))
     reward_model_path: str = field(default="EleutherAI/pythia-160m", metadata=_help("Reward model path used by TRL-style scripts."))
@@ -79,38 +80,41 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParalle
     ref_adapter_name: str | None = field(default=None, metadata=_help("PEFT adapter serving as reference."))
     num_ppo_epochs: int = field(default=4, metadata=_help("Passes over each rollout."))
     whiten_rewards: bool = field(default=False, metadata=_help("Whiten token rewards (no mean shift) before GAE."))
-    kl_coef: float = field(default=0.05, metadata=_help("KL coefficient (initial value for the adaptive controller)."))
+    kl_coef: float = setting_field("beta", "ppo", "KL coefficient (initial value for the adaptive controller).")
     kl_estimator: str = field(default="k1", metadata=_help("The KL estimator of the reward penalty (TRL's): 'k1' or 'k3'."))
-    kl_loss_estimator: str = field(default="k3", metadata=_help(
+    kl_loss_estimator: str = setting_field("kl_estimator", "ppo", (
         "The KL estimator of the loss term with use_kl_loss (verl's kl_loss_type): 'k1', 'k2' or 'k3'."))
-    cliprange: float = field(default=0.2, metadata=_help("Policy ratio clip range."))
-    cliprange_high: float | None = field(default=None, metadata=_help(
+    cliprange: float = setting_field("epsilon", "ppo", "Policy ratio clip range.")
+    cliprange_high: float | None = setting_field("epsilon_high", "ppo", (
         "Upper policy clip range (clip-higher, verl clip_ratio_high); None: cliprange."))
-    loss_agg_mode: str = field(default="token-mean", metadata=_help(
+    loss_agg_mode: str = setting_field("loss_type", "ppo", (
         "Loss aggregation, verl's names (token-mean, seq-mean-token-mean, seq-mean-token-sum, "
         "seq-mean-token-sum-norm) or hf_verl/TRL's (dapo, grpo, luspo, dr_grpo, bnpo)."))
-    use_bias_correction_kl: bool = field(default=False, metadata=_help(
+    use_bias_correction_kl: bool = setting_field("use_bias_correction_kl", "ppo", (
         "With use_kl_loss: multiply the KL loss by the importance ratio current/old (TRL GRPO's correction)."))
-    vf_coef: float = field(default=0.1, metadata=_help("Value loss coefficient."))
-    cliprange_value: float = field(default=0.2, metadata=_help("Value clip range around the rollout values."))
-    gamma: float = field(default=1.0, metadata=_help("Discount factor."))
-    lam: float = field(default=0.95, metadata=_help("GAE lambda."))
+    vf_coef: float = setting_field("vf_coef", "ppo", "Value loss coefficient.")
+    cliprange_value: float = setting_field("cliprange_value", "ppo", "Value clip range around the rollout values.")
+    gamma: float = setting_field("gamma", "ppo", "Discount factor.")
+    lam: float = setting_field("lam", "ppo", "GAE lambda.")
     ds3_gather_for_generation: bool = field(default=True, metadata=_help("ZeRO-3: gather weights for generation."))
 
     # --- hf_verl additions
-    advantage_estimator: str = field(default="gae", metadata=_help(
-        "A registered estimator (gae, grpo, rloo, ..., or your own: hf_verl.algorithms.register_advantage_estimator); "
-        "gae needs a value model, the others run without one."))
-    num_generations: int = field(default=1, metadata=_help("Completions per prompt (> 1 for group estimators)."))
-    scale_rewards: str = field(default="group", metadata=_help("std scaling of the grpo estimator."))
-    whiten_advantages: bool = field(default=True, metadata=_help("Whiten GAE advantages over the rollout (TRL: always)."))
-    critic_learning_rate: float | None = field(default=None, metadata=_help("Value model learning rate; default learning_rate."))
+    advantage_estimator: str = setting_field("advantage_estimator", "ppo", (
+        "A registered estimator (gae, grpo, rloo, ..., or your own: hf_verl.algorithms.register_advantage_estimator);"
+        " gae needs a value model, the others run without one."))
+    num_generations: int = setting_field("num_generations", "ppo", "Completions per prompt (> 1 for group estimators).")
+    scale_rewards: str = setting_field("scale_rewards", "ppo", "std scaling of the grpo estimator.")
+    whiten_advantages: bool = setting_field("whiten_advantages", "ppo", (
+        "Whiten GAE advantages over the rollout (TRL: always)."))
+    critic_learning_rate: float | None = setting_field("critic_learning_rate", "ppo", (
+        "Value model learning rate; default learning_rate."))
     critic_warmup_steps: int = field(default=0, metadata=_help("Optimizer steps that train only the critic."))
     use_kl_loss: bool = field(default=False, metadata=_help("KL as a loss term (k3, weight kl_coef) instead of a reward penalty."))
     kl_controller: str = field(default="fixed", metadata=_help("'fixed' or 'adaptive' (Ziegler et al.) kl_coef."))
     kl_target: float = field(default=6.0, metadata=_help("Adaptive controller: target KL per completion."))
     kl_horizon: int = field(default=10000, metadata=_help("Adaptive controller: horizon in completions."))
-    max_prompt_length: int | None = field(default=512, metadata=_help("Left-truncate prompts to this many tokens."))
+    max_prompt_length: int | None = setting_field("max_prompt_length", "ppo", (
+        "Left-truncate prompts to this many tokens."))
     reward_weights: list[float] | None = field(default=None, metadata=_help("Weights of reward functions."))
     shuffle_dataset: bool = field(default=True, metadata=_help("Shuffle the prompt dataset."))
     rollout_accumulation_steps: int | None = field(
@@ -171,15 +175,9 @@ class PPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParalle
         get_advantage_estimator(self.advantage_estimator)  # an unknown name raises, listing the registered ones
         checks = [
             (self.kl_estimator in KL_ESTIMATORS, f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}."),
-            (self.kl_loss_estimator in LOSS_KL_ESTIMATORS,
-             f"kl_loss_estimator must be one of {LOSS_KL_ESTIMATORS}, got {self.kl_loss_estimator!r}."),
             (self.kl_controller in KL_CONTROLLERS, f"kl_controller must be one of {KL_CONTROLLERS}, got {self.kl_controller!r}."),
-            (self.response_length >= 1, f"response_length must be >= 1, got {self.response_length}."),
             (self.num_ppo_epochs >= 1, f"num_ppo_epochs must be >= 1, got {self.num_ppo_epochs}."),
             (self.num_mini_batches >= 1, f"num_mini_batches must be >= 1, got {self.num_mini_batches}."),
-            (self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}."),
-            (self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}."),
-            (self.cliprange > 0, "cliprange must be > 0."),
             (self.temperature > 0, f"temperature must be > 0 for PPO sampling, got {self.temperature}."),
             (self.stop_token in (None, "eos"), f"stop_token must be 'eos' or None, got {self.stop_token!r}."),
             (not (self.stop_token and self.stop_token_id is not None), "set stop_token or stop_token_id, not both."),

@@ -18,9 +18,12 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_verl.algorithms.registry import advantage_estimator_names, get_advantage_estimator
+from hf_verl.algorithms.registry import (
+    advantage_estimator_names,
+    get_advantage_estimator,
+)
 from hf_verl.data.batch import RolloutBatch
-from hf_verl.trainers.engine_glue import load_for_launch
+from hf_verl.pipeline.ppo import explained_variance  # noqa: F401 (TRL's PPO helper, importable from here)
 from hf_verl.trainers.critic import (
     CriticStepCallback,
     critic_optimizer_spec,
@@ -28,8 +31,8 @@ from hf_verl.trainers.critic import (
     load_value_model,
     save_critic,
 )
+from hf_verl.trainers.engine_glue import load_for_launch
 from hf_verl.trainers.on_policy import OnPolicyTrainer
-from hf_verl.pipeline.ppo import explained_variance  # noqa: F401 (TRL's PPO helper, importable from here)
 from hf_verl.trainers.ppo_config import PPOConfig
 
 logger = logging.getLogger(__name__)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_verl.settings import setting_field
+
 
 def _help(text: str) -> Any:
     return {"help": text}
@@ -24,13 +26,13 @@ class RolloutArguments:
         "The rollout engine by its registered name (hf_verl.rollout.register_rollout_engine): 'transformers', "
         "'vllm', 'remote', or your own. None: 'remote' for a generator URL (placement['generator'], or use_vllm=True "
         "with vllm_mode='server'), 'vllm' for use_vllm=True, else 'transformers'."))
-    use_async_rollout: bool = field(default=False, metadata=_help(
+    use_async_rollout: bool = setting_field("use_async_rollout", None, (
         "Generate the next round while this one trains (one weight version stale; off by default for TRL parity)."))
-    max_staleness: int = field(default=1, metadata=_help(
+    max_staleness: int = setting_field("max_staleness", None, (
         "Most rounds of weight updates a rollout may lag behind; 0 makes use_async_rollout synchronous."))
-    logprob_chunk_size: int = field(default=1024, metadata=_help(
-        "Positions per chunk when scoring log-probs, at most: fewer above a 64k vocabulary, where a chunk's "
-        "fp32 logits stay within 256 MiB."))
+    logprob_chunk_size: int = setting_field("logprob_chunk_size", None, (
+        "Positions per chunk when scoring log-probs, at most: fewer above a 64k vocabulary, where a chunk's fp32 "
+        "logits stay within 256 MiB."))
     padding_free: bool | None = field(default=None, metadata=_help(
         "Score rollouts packed padding-free (per-row causal attention; equal to the padded result to float rounding). "
         "None: pack a batch whose rows carry more padding than a per-row attention call costs (see "
@@ -42,9 +44,9 @@ class RolloutArguments:
         "result to float rounding). None: when the layout's arithmetic is no more than that of the padded or "
         "packed layout it replaces (see docs/benchmarks.md#shared-prompts), the model attends with sdpa and has no "
         "sliding-window layers; True: whenever two rows share a prompt (an error when the model cannot); False: never."))
-    per_row_sampling_seed: bool = field(default=False, metadata=_help(
-        "Sample each completion from its own stream seeded by (seed, its row in the global round): rollouts "
-        "do not depend on how rows are split over processes."))
+    per_row_sampling_seed: bool = setting_field("per_row_sampling_seed", None, (
+        "Sample each completion from its own stream seeded by (seed, its row in the global round): rollouts do not "
+        "depend on how rows are split over processes."))
 
     def _validate_rollout(self) -> None:
         if self.rollout_engine is not None:

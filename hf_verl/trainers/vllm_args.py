@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_verl.settings import setting_field
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,10 +35,14 @@ class VLLMArguments:
     vllm_tensor_parallel_size: int = field(default=1, metadata=_help("Colocate mode: passed to vLLM."))
     vllm_max_model_length: int | None = field(default=None, metadata=_help("Colocate mode: passed to vLLM."))
     vllm_enable_sleep_mode: bool = field(default=False, metadata=_help("Colocate mode: passed to vLLM."))
-    vllm_importance_sampling_correction: bool = field(default=True, metadata=_help("Correct the engine/trainer mismatch by importance sampling."))
-    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata=_help("token_truncate, token_mask, sequence_truncate or sequence_mask."))
-    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata=_help("Lower ratio bound."))
-    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata=_help("Upper ratio bound."))
+    vllm_importance_sampling_correction: bool = setting_field("vllm_importance_sampling_correction", None, (
+        "Correct the engine/trainer mismatch by importance sampling."))
+    vllm_importance_sampling_mode: str = setting_field("vllm_importance_sampling_mode", None, (
+        "token_truncate, token_mask, sequence_truncate or sequence_mask."))
+    vllm_importance_sampling_clip_min: float | None = setting_field("vllm_importance_sampling_clip_min", None, (
+        "Lower ratio bound."))
+    vllm_importance_sampling_clip_max: float | None = setting_field("vllm_importance_sampling_clip_max", None, (
+        "Upper ratio bound."))
     vllm_importance_sampling_cap: float | None = field(default=None, metadata=_help(
         "Deprecated alias (TRL) of vllm_importance_sampling_clip_max; overrides it when set."))
     vllm_model_impl: str = field(default="vllm", metadata=_help("Colocate mode: vLLM's model_impl ('vllm' or 'transformers')."))
