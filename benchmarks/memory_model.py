@@ -5,7 +5,7 @@ FSDP2, ZeRO-2/3, Ulysses SP, Megatron TP / PP; two processes over gloo where the
 `--steps` GRPO-shaped optimizer steps (a prompt + completion batch; the completion's log-probs and entropy in
 checkpointed chunks, a policy-gradient loss, backward, clipping, AdamW), with a frozen reference model's log-probs
 where the configuration has one. Each rank reports its peak RSS (`ru_maxrss`); the table compares the busiest
-rank with `hf_verl.parallel.estimate_memory`'s prediction for the same model, layout and batch (computed from the
+rank with `hf_verl.planner.estimate_memory`'s prediction for the same model, layout and batch (computed from the
 model's config in the parent process, before any run: the prediction never sees a measurement).
 
 Usage:
@@ -68,7 +68,7 @@ def _layout(kind: str, world: int, rank: int, ckpt: bool = False, rows: int = 1)
     from hf_verl.engine.registry import RoleLayout
     from hf_verl.parallel.backend import BackendSpec
     from hf_verl.parallel.dims import ParallelDims
-    from hf_verl.parallel.planner import Layout
+    from hf_verl.planner import Layout
 
     def dp(shard, **axes):
         return ParallelDims.data_parallel(world, rank, shard=shard, **axes)
@@ -174,8 +174,8 @@ def measure(name: str, steps: int, baseline: bool = False) -> list[int]:
 
 def predict(name: str):
     """The memory model's per-rank estimate for configuration `name` (from the config alone)."""
-    from hf_verl.parallel.planner import Workload, memory_breakdown
-    from hf_verl.parallel.planner.architectures import from_config
+    from hf_verl.planner import Workload, memory_breakdown
+    from hf_verl.planner.architectures import from_config
 
     model_name, kind, seq, rows, opts = CONFIGS[name]
     world = 1 if kind == "plain" else 2
@@ -190,7 +190,7 @@ def predict(name: str):
 
 
 def _layout_for_prediction(kind, world, ckpt, rows):
-    from hf_verl.parallel.planner import Layout
+    from hf_verl.planner import Layout
 
     if kind in ("tp2", "pp2"):
         tp, pp = (2, 1) if kind == "tp2" else (1, 2)

@@ -203,7 +203,7 @@ def test_a_backend_that_does_not_import_is_reported_with_its_error(tmp_path):
 
     (tmp_path / "deepspeed").mkdir()
     (tmp_path / "deepspeed" / "__init__.py").write_text("raise ImportError('built for another CUDA')\n")
-    code = ("from hf_verl.parallel.capabilities import parallelism_report as r; rep = r(); "
+    code = ("from hf_verl.planner.capabilities import parallelism_report as r; rep = r(); "
             "print(rep['zero'].available, '|', rep['zero'].reason)")
     env = {**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{__import__('os').getcwd()}"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

@@ -622,8 +622,8 @@ def test_liger_with_an_lm_head_adapter_is_refused_and_modules_to_save_is_not(tmp
 
 def test_the_trainers_answer_supported_parallelisms_from_the_facades_checks(tmp_path):
     """docs/megatron.md's `trainer.supported_parallelisms()` on a GRPOTrainer (EngineTrainerMixin, the base of the
-    three trainers): the same list and reasons as hf_verl.parallel.capabilities, which the facade answers too."""
-    from hf_verl.parallel.capabilities import PARALLELISMS, parallelism_report, supported_parallelisms
+    three trainers): the same list and reasons as hf_verl.planner.capabilities, which the facade answers too."""
+    from hf_verl.planner.capabilities import PARALLELISMS, parallelism_report, supported_parallelisms
 
     tok = build_char_tokenizer()
     trainer = GRPOTrainer(model=_model(tok), reward_funcs=count_a, args=_args(tmp_path, max_steps=1),

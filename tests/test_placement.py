@@ -40,7 +40,7 @@ def test_memory_estimate_is_the_planners_estimate_of_the_role_on_its_layout():
     with the facade's config, and says why where it cannot estimate; it used to pass the layout as the config and
     swallow the TypeError, so every line said n/a."""
     from hf_verl.facade.placement import memory_estimate
-    from hf_verl.parallel import estimate_memory
+    from hf_verl.planner import estimate_memory
 
     tok = build_char_tokenizer()
     trainer = _trainer(reference_model=tiny_llama(tok, seed=2))
@@ -61,7 +61,7 @@ def test_memory_estimate_is_the_planners_estimate_of_the_role_on_its_layout():
 
 
 def test_placement_shows_the_planners_memory_estimate_for_the_actor():
-    from hf_verl.parallel import estimate_memory
+    from hf_verl.planner import estimate_memory
 
     trainer = _trainer()
     line = trainer.placement()[0]

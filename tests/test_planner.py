@@ -1,4 +1,4 @@
-"""The layout planner (hf_verl.parallel.planner): the memory model's arithmetic, the layout limits, the seed
+"""The layout planner (hf_verl.planner): the memory model's arithmetic, the layout limits, the seed
 article's three examples on 80 GiB devices, the errors, and `parallel="auto"` / `per_device_train_batch_size="auto"`
 in the configs and the facade. The slow test runs validation configurations of benchmarks/memory_model.py and
 checks the measured peak RSS against the prediction."""
@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_verl.parallel.planner import (REFERENCE_ARCHITECTURES, Architecture, Layout, PlanError, Workload,
+from hf_verl.planner import (REFERENCE_ARCHITECTURES, Architecture, Layout, PlanError, Workload,
                                       memory_breakdown, plan, resolve_architecture)
-from hf_verl.parallel.planner.memory import GiB, MiB
-from hf_verl.parallel.planner.plan import _shapes
+from hf_verl.planner.memory import GiB, MiB
+from hf_verl.planner.plan import _shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCH = Architecture(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=512, vocab=1000, source="test")
@@ -134,7 +134,7 @@ def test_frozen_roles_and_rollout_add_up():
 
 def test_estimate_memory_reads_a_trainer_config(tmp_path):
     from hf_verl import DPOConfig, GRPOConfig
-    from hf_verl.parallel import estimate_memory
+    from hf_verl.planner import estimate_memory
 
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=8,
                       max_prompt_length=32, max_completion_length=96, beta=0.04)
@@ -153,7 +153,7 @@ def test_estimate_memory_reads_a_trainer_config(tmp_path):
 def test_estimate_memory_of_one_role_is_that_roles_share_of_the_run(tmp_path):
     """role=: one role alone (what the facade's placement() line shows); the run's estimate is their sum."""
     from hf_verl import PPOConfig
-    from hf_verl.parallel import estimate_memory
+    from hf_verl.planner import estimate_memory
 
     args = PPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=4)
     layout = Layout(micro_batch_size=4)
@@ -197,7 +197,7 @@ def test_layout_limits_heads_kv_heads_layers():
 
 def test_megatron_vocab_padding_is_counted():
     arch = Architecture(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000)
-    from hf_verl.parallel.planner.plan import _padded
+    from hf_verl.planner.plan import _padded
 
     assert _padded(arch, 2).vocab == 1024 and _padded(arch, 4).vocab == 1024 and _padded(arch, 8).vocab == 1024
     assert _padded(arch, 2).params == arch.params + 24 * 64 * 2
@@ -263,7 +263,7 @@ def test_errors():
 def test_grpo_config_auto_batch_keeps_the_global_batch(tmp_path, caplog):
     from hf_verl import GRPOConfig
 
-    with caplog.at_level(logging.INFO, logger="hf_verl.parallel.planner.apply"):
+    with caplog.at_level(logging.INFO, logger="hf_verl.planner.apply"):
         args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], parallel="auto", model_size="0.5b",
                           per_device_train_batch_size="auto", gradient_accumulation_steps=4, max_prompt_length=64,
                           max_completion_length=64)
@@ -282,7 +282,7 @@ def test_auto_without_a_model_size_names_the_field(tmp_path):
 
 
 def test_explicit_layout_wins_and_the_log_says_so(monkeypatch, caplog):
-    from hf_verl.parallel.planner.apply import _LOGGED, apply_parallel_plan, explicit_layout
+    from hf_verl.planner.apply import _LOGGED, apply_parallel_plan, explicit_layout
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = SimpleNamespace(parallel="auto", model_size="0.5b", sequence_parallel_size=2, backend=None,
@@ -291,7 +291,7 @@ def test_explicit_layout_wins_and_the_log_says_so(monkeypatch, caplog):
                              max_completion_length=64, beta=0.0, bf16=False)
     assert explicit_layout(config) == "sequence_parallel_size=2"
     _LOGGED.clear()
-    with caplog.at_level(logging.INFO, logger="hf_verl.parallel.planner.apply"):
+    with caplog.at_level(logging.INFO, logger="hf_verl.planner.apply"):
         apply_parallel_plan(config, config.model_size, "GRPOConfig")
     assert config.sequence_parallel_size == 2 and config.tensor_model_parallel_size == 1  # untouched
     assert "the explicit layout (sequence_parallel_size=2) wins" in caplog.text
@@ -303,7 +303,7 @@ def test_explicit_layout_wins_and_the_log_says_so(monkeypatch, caplog):
 def test_facade_settings_and_model_size_replans_before_loading(caplog):
     from hf_verl import Trainer
     from hf_verl.facade.config import TrainerConfig
-    from hf_verl.parallel.planner.apply import _LOGGED
+    from hf_verl.planner.apply import _LOGGED
 
     assert TrainerConfig(parallel="auto").parallel == "auto"
     with pytest.raises(ValueError, match="parallel must be None, 'manual' or 'auto'"):
@@ -315,7 +315,7 @@ def test_facade_settings_and_model_size_replans_before_loading(caplog):
     assert not trainer.actor.loaded
     _LOGGED.clear()
     trainer.config.model_size = "0.5b"
-    with caplog.at_level(logging.INFO, logger="hf_verl.parallel.planner.apply"):
+    with caplog.at_level(logging.INFO, logger="hf_verl.planner.apply"):
         dims = trainer.dims
     assert trainer.layout_plan is not None and trainer.layout_plan.layout.world_size == dims.world_size == 1
     assert "parallel layout planned for 0.5b" in caplog.text and not trainer.actor.loaded

@@ -163,7 +163,7 @@ def _megatron_engine(model: Any, *, role: str, layout: RoleLayout, **options: An
 
 def _megatron_installed() -> bool:
     """megatron-core on the path, found without importing anything of megatron (its import prints notices)."""
-    from hf_verl.parallel.capabilities import megatron_core_found
+    from hf_verl.parallel.megatron import megatron_core_found
 
     return megatron_core_found()
 

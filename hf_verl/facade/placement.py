@@ -3,7 +3,7 @@ memory estimate (`trainer.placement()`).
 
 What a role may be declared as, and the checks at construction, are every front-end's
 (:mod:`hf_verl.pipeline.placement`); :func:`memory_estimate` is the planner's per-device estimate of a model role
-(`hf_verl.parallel.estimate_memory(model, config, layout, role=...)`).
+(`hf_verl.planner.estimate_memory(model, config, layout, role=...)`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def placement_report(roles: Any, reward_funcs: list, generator: Any) -> list[str
 
 def memory_estimate(model: Any, layout: Any, config: Any = None, role: str = "actor") -> str:
     """The planner's per-device memory estimate of one model role on its layout, as `"0.45 GiB"`:
-    `hf_verl.parallel.estimate_memory(model, config, layout, role=role).peak_bytes` (the role's weights, gradients
+    `hf_verl.planner.estimate_memory(model, config, layout, role=role).peak_bytes` (the role's weights, gradients
     and optimizer states as `layout` splits them, the step's activations and logits for `config`'s rows and lengths,
     the process's own baseline), on the layout's device type. "n/a (why)" where the role cannot be estimated.
 
@@ -72,8 +72,8 @@ def memory_estimate(model: Any, layout: Any, config: Any = None, role: str = "ac
     """
     from transformers import PretrainedConfig
 
-    from hf_verl.parallel import estimate_memory
-    from hf_verl.parallel.planner.architectures import resolve_architecture
+    from hf_verl.planner import estimate_memory
+    from hf_verl.planner.architectures import resolve_architecture
 
     if config is None:
         return "n/a (no trainer config to size the step)"

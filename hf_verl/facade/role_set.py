@@ -121,12 +121,12 @@ class FacadeRoles:
 
     def _plan_layout(self) -> None:
         """`config.parallel="auto"`, or a `config.model_size` set with `parallel` left at None: the planner's layout
-        for this launch, written into the config before any role is loaded (:mod:`hf_verl.parallel.planner.apply`);
+        for this launch, written into the config before any role is loaded (:mod:`hf_verl.planner.apply`);
         an explicit layout wins and the log says so."""
         cfg = self.config
         if cfg.parallel == "manual" or (cfg.parallel is None and cfg.model_size is None):
             return
-        from hf_verl.parallel.planner.apply import apply_facade_plan
+        from hf_verl.planner.apply import apply_facade_plan
 
         self.layout_plan = apply_facade_plan(cfg, cfg.model_size if cfg.model_size is not None else self.actor.source)
 

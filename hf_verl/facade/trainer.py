@@ -49,7 +49,7 @@ from hf_verl.facade.roles import model_device_dtype
 from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
 from hf_verl.facade.rows import DatasetRows, batch_rows
 from hf_verl.parallel import comm, watchdog
-from hf_verl.parallel.capabilities import supported_parallelisms
+from hf_verl.planner.capabilities import supported_parallelisms
 from hf_verl.pipeline import generation
 from hf_verl.pipeline.algorithm import Algorithm, Roles, make_algorithm
 from hf_verl.pipeline.orchestrator import END, Round, RoundHost, RoundOrchestrator
@@ -206,7 +206,7 @@ class Trainer:
 
     def supported_parallelisms(self, reasons: bool = False) -> list[str] | dict[str, str]:
         """The parallelisms this installation and machine can run now: "data" (DDP), "fsdp" (FSDP2),
-        "zero" (DeepSpeed), "sequence", "tensor", "pipeline" (see :mod:`hf_verl.parallel.capabilities`).
+        "zero" (DeepSpeed), "sequence", "tensor", "pipeline" (see :mod:`hf_verl.planner.capabilities`).
 
         Args:
             reasons (`bool`): return `{name: reason}` for every parallelism instead, the reason saying

@@ -232,13 +232,13 @@ class EngineTrainerMixin:
     def supported_parallelisms(self, reasons: bool = False) -> list[str] | dict[str, str]:
         """The parallelisms this installation and machine can run now: "data" (DDP), "fsdp" (FSDP2),
         "zero" (DeepSpeed), "sequence", "tensor", "pipeline"; the facade's answer, from the same checks
-        (:func:`hf_verl.parallel.capabilities.supported_parallelisms`).
+        (:func:`hf_verl.planner.capabilities.supported_parallelisms`).
 
         Args:
             reasons (`bool`): return `{name: reason}` for every parallelism instead, the reason saying
                 what it runs on or why it cannot run (missing backend, too few devices).
         """
-        from hf_verl.parallel.capabilities import supported_parallelisms
+        from hf_verl.planner.capabilities import supported_parallelisms
 
         return supported_parallelisms(reasons)
 

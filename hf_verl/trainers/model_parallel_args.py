@@ -63,7 +63,7 @@ class ModelParallelArguments:
         """Read an accelerate MEGATRON_LM launch into the fields, switch accelerate's own plugin off, and check the
         fields (call before `TrainingArguments.__post_init__`, which may build accelerate's state)."""
         from hf_verl.parallel.megatron.launch import resolve_megatron_settings
-        from hf_verl.parallel.planner.apply import apply_parallel_plan
+        from hf_verl.planner.apply import apply_parallel_plan
 
         # checked first (before the planner and the launch read them), by the schema's one mechanism (hf_verl.settings)
         check_settings(self, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "backend", "parallel",

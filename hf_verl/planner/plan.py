@@ -15,9 +15,16 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hf_verl.parallel.planner.architectures import Architecture, resolve_architecture
-from hf_verl.parallel.planner.memory import GiB, OPTIMIZERS, Layout, MemoryEstimate, Workload, memory_breakdown
-from hf_verl.parallel.planner.steptime import H100, Hardware, StepTime, step_time
+from hf_verl.planner.architectures import Architecture, resolve_architecture
+from hf_verl.planner.memory import (
+    OPTIMIZERS,
+    GiB,
+    Layout,
+    MemoryEstimate,
+    Workload,
+    memory_breakdown,
+)
+from hf_verl.planner.steptime import H100, Hardware, StepTime, step_time
 
 logger = logging.getLogger(__name__)
 

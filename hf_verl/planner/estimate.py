@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hf_verl.parallel.planner.architectures import resolve_architecture, whole_numel
-from hf_verl.parallel.planner.memory import Layout, MemoryEstimate, Workload, memory_breakdown
+from hf_verl.planner.architectures import resolve_architecture, whole_numel
+from hf_verl.planner.memory import Layout, MemoryEstimate, Workload, memory_breakdown
 
 __all__ = ["estimate_memory", "layout_from_launch", "workload_from_args"]
 
@@ -139,7 +139,7 @@ def estimate_memory(model: Any, args: Any, layout: Any = None, *, device: str | 
     Example:
         ```python
         from hf_verl import GRPOConfig
-        from hf_verl.parallel import estimate_memory
+        from hf_verl.planner import estimate_memory
         est = estimate_memory("7b", GRPOConfig(output_dir="out", bf16=True), layout=Layout(dp=8, sharding="fsdp2"))
         print(est.peak_bytes / 2**30, est.table())
         ```

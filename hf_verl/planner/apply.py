@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any
 
-from hf_verl.parallel.planner.memory import GiB, Layout
+from hf_verl.planner.memory import GiB, Layout
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _workload(config: Any) -> tuple[str, int, int]:
 
 def auto_plan(config: Any, model: Any, *, world: int, global_batch: int, allow: Any = None):
     """The plan for `config`'s workload on this launch's `world` processes (device memory read from the machine)."""
-    from hf_verl.parallel.planner.plan import plan
+    from hf_verl.planner.plan import plan
 
     memory, device = _device_memory_gib(world)
     algo, seq_len, scored = _workload(config)
@@ -188,7 +188,7 @@ def apply_facade_plan(config: Any, model: Any):
     Returns:
         [`Plan`], or `None` when an explicit layout wins.
     """
-    from hf_verl.parallel.planner.plan import plan
+    from hf_verl.planner.plan import plan
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     explicit = explicit_layout(config)
@@ -200,7 +200,7 @@ def apply_facade_plan(config: Any, model: Any):
     def allow(layout: Layout) -> bool:
         return _runnable(layout) and not layout.activation_checkpointing
 
-    from hf_verl.parallel.planner.plan import PlanError
+    from hf_verl.planner.plan import PlanError
 
     try:
         result = plan(model, num_devices=world, device_memory_gib=memory,

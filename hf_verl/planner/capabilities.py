@@ -27,6 +27,8 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 
+from hf_verl.parallel.megatron import megatron_core_found
+
 PARALLELISMS = ("data", "fsdp", "zero", "sequence", "tensor", "pipeline")
 
 
@@ -59,26 +61,6 @@ def _devices() -> tuple[bool, str]:
             return False, f"only {n} CUDA device: it needs 2 or more (or CPU processes over gloo: configs/accelerate/*_cpu.yaml)"
         return True, f"{n} CUDA devices (NCCL)"
     return True, "CPU processes over gloo"
-
-
-def megatron_core_found() -> bool:
-    """Whether `megatron.core` is installed, looked up on the path without importing anything of megatron (not
-    even its top-level package, which `importlib.util.find_spec("megatron.core")` would import): importing it
-    prints Transformer Engine / Apex notices in every process of a run that may never use it."""
-    if "megatron.core" in sys.modules:
-        return True
-    try:
-        top = importlib.util.find_spec("megatron")  # a top-level lookup imports nothing
-    except (ImportError, ValueError):
-        return False
-    locations = None if top is None else top.submodule_search_locations
-    if not locations:
-        return False
-    for finder in sys.meta_path:  # what importlib does for a submodule, minus importing the parent package
-        find_spec = getattr(finder, "find_spec", None)
-        if find_spec is not None and find_spec("megatron.core", list(locations)) is not None:
-            return True
-    return False
 
 
 def _megatron_error(import_it: bool) -> str | None:

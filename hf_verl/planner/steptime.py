@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hf_verl.parallel.planner.architectures import Architecture
-from hf_verl.parallel.planner.memory import Layout
+from hf_verl.planner.architectures import Architecture
+from hf_verl.planner.memory import Layout
 
 __all__ = ["Hardware", "StepTime", "step_time", "H100"]
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hf_verl.parallel.planner.architectures import Architecture
+from hf_verl.planner.architectures import Architecture
 
 __all__ = ["Layout", "Workload", "MemoryEstimate", "memory_breakdown", "RUNTIME_BASELINE_BYTES", "GiB", "MiB"]
 
