@@ -110,7 +110,7 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="needs a value_model"):
         PPOTrainer(args=_args(tmp_path), processing_class=tok, model=_policy(tok), reward_model=count_a,
                    train_dataset=ds)
-    with pytest.raises(ValueError, match="response_length must be >= 1"):
+    with pytest.raises(ValueError, match=r"response_length \(max_completion_length\) must be an int >= 1, got 0"):
         _args(tmp_path, response_length=0)
     from transformers import LlamaConfig, LlamaForSequenceClassification
 

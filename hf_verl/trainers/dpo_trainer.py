@@ -35,8 +35,6 @@ from hf_verl.algorithms.dpo_losses import (
 from hf_verl.data.preference import (
     REF_COLUMNS,
     PreferenceCollator,
-    check_preference_columns,
-    tokenize_pair,
 )
 from hf_verl.data.prompts import ensure_pad_token
 from hf_verl.engine.base import TrainingEngine
@@ -45,6 +43,7 @@ from hf_verl.engine.step import ForwardRequest, TokenQuery
 from hf_verl.parallel import comm
 from hf_verl.parallel.sharded_load import loaded_sharded, state_sums
 from hf_verl.trainers.dpo_config import DPOConfig
+from hf_verl.trainers.dpo_data import PreferenceData, preference_accuracy  # noqa: F401 (TRL's compute_metrics)
 from hf_verl.trainers.engine_glue import (
     EngineTrainerMixin,
     launch_layout,
@@ -56,28 +55,6 @@ from hf_verl.trainers.quantization import check_quantized_run, merge_quantizatio
 
 logger = logging.getLogger(__name__)
 
-TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
-
-
-_PREFERENCE_METRIC = None
-
-
-def preference_accuracy(eval_pred) -> dict[str, float]:
-    """`compute_metrics` for DPO evaluation, through `evaluate` (the metric ships with hf_verl, so
-    it loads offline): share of pairs whose implicit reward ranks chosen first.
-
-    `eval_pred.predictions` holds `(chosen_reward, rejected_reward)` per pair.
-    """
-    global _PREFERENCE_METRIC
-    import evaluate
-    import numpy as np
-
-    from hf_verl.metrics import metric_path
-
-    if _PREFERENCE_METRIC is None:
-        _PREFERENCE_METRIC = evaluate.load(metric_path("preference_accuracy"))
-    preds = np.asarray(eval_pred.predictions, dtype=np.float64)
-    return _PREFERENCE_METRIC.compute(chosen_scores=preds[:, 0], rejected_scores=preds[:, 1])
 
 
 REF_ADAPTER = "ref"
@@ -108,10 +85,6 @@ def _active_adapter(model, name: str):
         yield
     finally:
         model.set_adapter(previous)
-
-
-def _is_vision_row(row: dict) -> bool:
-    return "image" in row or "images" in row
 
 
 def _split_rows(batch: dict) -> tuple[list[list[int]], list[list[int]]]:
@@ -165,7 +138,7 @@ def _weights_digest(model) -> str:
     return h.hexdigest()[:16]
 
 
-class DPOTrainer(EngineTrainerMixin, Trainer):
+class DPOTrainer(PreferenceData, EngineTrainerMixin, Trainer):
     """Train a causal LM on preference pairs with DPO and its variants (TRL's arguments).
 
     Args:
@@ -291,75 +264,6 @@ class DPOTrainer(EngineTrainerMixin, Trainer):
             self.add_callback(ReferenceMixCallback(self))
 
     # ------------------------------------------------------------------ data
-    @staticmethod
-    def _check_vision(train_dataset, eval_dataset) -> None:
-        """hf_verl's DPO trains text-only causal LMs: refuse image columns up front (TRL's message, with the reason)."""
-        datasets = [train_dataset] + (list(eval_dataset.values()) if isinstance(eval_dataset, dict) else
-                                      [eval_dataset] if eval_dataset is not None else [])
-        for dataset in datasets:
-            columns = getattr(dataset, "column_names", None) or list(next(iter(dataset)).keys())
-            if _is_vision_row(dict.fromkeys(columns)):
-                raise ValueError("The dataset appears to be vision-related (it has an 'image' or 'images' column), "
-                                 "but hf_verl's DPOTrainer trains text-only causal LMs: a vision-language model "
-                                 "is not supported. Drop the image columns or use TRL's DPOTrainer.")
-
-    def _prepare_eval_dataset(self, eval_dataset, tokenizer, args: DPOConfig):
-        """A dataset, or a dict / `DatasetDict` / `IterableDatasetDict` of them (each tokenised as its own split)."""
-        if eval_dataset is None:
-            return None
-        if isinstance(eval_dataset, dict):
-            return {name: self._prepare_dataset(ds, tokenizer, args, name) for name, ds in eval_dataset.items()}
-        return self._prepare_dataset(eval_dataset, tokenizer, args, "eval")
-
-    def _prepare_dataset(self, dataset, tokenizer, args: DPOConfig, name: str):
-        if dataset is None:
-            return None
-        from datasets import IterableDataset
-
-        if isinstance(dataset, IterableDataset):
-            if args.precompute_ref_log_probs:
-                raise ValueError(
-                    f"precompute_ref_log_probs=True is not supported with IterableDataset (the {name} dataset): the "
-                    "log-probs are stored as columns of a map-style dataset. Load it without streaming, or set "
-                    "precompute_ref_log_probs=False."
-                )
-            columns = dataset.column_names or list(next(iter(dataset)).keys())
-        else:
-            columns = dataset.column_names
-        if all(c in columns for c in TOKEN_COLUMNS):
-            return dataset  # already tokenised
-        check_preference_columns(columns)
-
-        def tokenize(row, idx):
-            pair = tokenize_pair(row, tokenizer, args.max_length, args.truncation_mode, index=idx)
-            return {"prompt_ids": pair.prompt_ids, "chosen_ids": pair.chosen_ids, "rejected_ids": pair.rejected_ids,
-                    "truncated": pair.truncated, "identical": pair.identical}
-
-        map_kwargs = {} if isinstance(dataset, IterableDataset) else {
-            "num_proc": args.dataset_num_proc, "desc": f"Tokenizing the {name} preference dataset"}
-        dataset = dataset.map(tokenize, with_indices=True, **map_kwargs)
-        if isinstance(dataset, IterableDataset):
-            return dataset
-        n = len(dataset)
-        identical = int(sum(dataset["identical"]))
-        truncated = int(sum(dataset["truncated"]))
-        if identical:
-            logger.warning("%d of %d %s pairs have identical chosen and rejected completions: they carry no "
-                           "preference signal (counted in data/identical_pairs).", identical, n, name)
-        if truncated:
-            logger.info("%d of %d %s pairs were truncated to max_length=%s (%s).", truncated, n, name,
-                        args.max_length, args.truncation_mode)
-        empty = [i for i, (c, r) in enumerate(zip(dataset["chosen_ids"], dataset["rejected_ids"])) if not c or not r]
-        if empty:
-            logger.warning("dropping %d %s pairs whose prompt alone fills max_length=%s (first: row %d); raise "
-                           "max_length or use truncation_mode='keep_end'.", len(empty), name, args.max_length, empty[0])
-            keep = sorted(set(range(n)) - set(empty))
-            dataset = dataset.select(keep)
-        if name == "train":
-            self._data_stats = {"data/truncated_ratio": truncated / max(n, 1), "data/identical_pairs": float(identical),
-                                "data/dropped_pairs": float(len(empty))}
-        return dataset
-
     def _collate(self, rows: list[dict]) -> dict:
         """The default collator (also when a custom `data_collator` is given: the reference pass uses this one)."""
         return PreferenceCollator(self.tokenizer_.pad_token_id, self.args.padding_free,

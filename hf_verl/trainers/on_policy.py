@@ -21,7 +21,6 @@ sampling fields named in `_sampling_params`.
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import time
 from collections import defaultdict
@@ -49,7 +48,6 @@ from hf_verl.pipeline.tool_rollout import (
 )
 from hf_verl.rewards.callables import (
     RewardCallContext,
-    combine_rewards,
     reward_func_name,
 )
 from hf_verl.rewards.reward_model import RewardModelScorer, resolve_reward_sources
@@ -59,46 +57,18 @@ from hf_verl.rollout.base import (
 )
 from hf_verl.trainers.completion_log import CompletionLog
 from hf_verl.trainers.engine_glue import EngineTrainerMixin, launch_layout
+from hf_verl.trainers.evaluation import RolloutEvaluation
+from hf_verl.trainers.round_data import (
+    GroupRounds,
+    check_iterable_datasets,
+    is_iterable,
+    rows_collator,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def _rows(rows: list[dict]) -> list[dict]:
-    """The collator: a batch is the list of its rows (module level, so dataloader workers can pickle it)."""
-    return rows
-
-
-def _is_iterable(dataset) -> bool:
-    """A dataset read as a stream, without length or indexing (datasets' `IterableDataset`, a torch one)."""
-    return isinstance(dataset, torch.utils.data.IterableDataset)
-
-
-class _GroupRounds(torch.utils.data.IterableDataset):
-    """An iterable dataset laid out as :class:`~hf_verl.data.samplers.RepeatGroupSampler` lays out a map-style
-    one: each round reads the next `prompts_per_round` rows of `source`, repeats each `num_generations` times,
-    cuts the round into `world_size` chunks of `chunk_size` and yields the chunks `repeat` times (accelerate
-    then hands batch `k` to process `k % world_size`). A trailing partial round is dropped."""
-
-    def __init__(self, source, num_generations: int, chunk_size: int, world_size: int, repeat: int) -> None:
-        self.source, self.num_generations = source, num_generations
-        self.chunk_size, self.world_size, self.repeat = chunk_size, world_size, repeat
-
-    def set_epoch(self, epoch: int) -> None:
-        if callable(getattr(self.source, "set_epoch", None)):  # reshuffles a shuffled stream
-            self.source.set_epoch(epoch)
-
-    def __iter__(self):
-        rows = iter(self.source)
-        per_round = self.chunk_size * self.world_size // self.num_generations
-        while len(prompts := list(itertools.islice(rows, per_round))) == per_round:
-            completions = [row for row in prompts for _ in range(self.num_generations)]
-            chunks = [completions[p * self.chunk_size:(p + 1) * self.chunk_size] for p in range(self.world_size)]
-            for _ in range(self.repeat):
-                for chunk in chunks:
-                    yield from chunk
-
-
-class OnPolicyTrainer(EngineTrainerMixin, Trainer):
+class OnPolicyTrainer(RolloutEvaluation, EngineTrainerMixin, Trainer):
     """Base of the on-policy trainers (see the module docstring); not used directly."""
 
     _tool_rollout = None  # a ToolRollout: tool-calling, multi-turn rollouts (GRPO's tools / environment_factory)
@@ -129,8 +99,8 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         self.ref_model = ref_model
         # a sharded actor cannot generate (each rank holds a shard): the engine gets a replica, made before sharding
         replica = builder.actor_replica(model) if builder.remote_url("generator") is None else None
-        self._check_iterable_datasets(args, train_dataset, eval_dataset)
-        super().__init__(model=model, args=args, data_collator=_rows, train_dataset=train_dataset,
+        check_iterable_datasets(args, train_dataset, eval_dataset)
+        super().__init__(model=model, args=args, data_collator=rows_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers)
         device = self.args.device
@@ -165,28 +135,6 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
             args, critic=critic, model=model, metrics=self._metrics, reward_names=self.reward_names,
             eos_token_id=processing_class.eos_token_id, sampling_temperature=lambda: self._sampling_params().temperature,
             forward_batch_size=lambda rows: self._forward_rows())
-
-    @staticmethod
-    def _check_iterable_datasets(args, train_dataset, eval_dataset) -> None:
-        """Iterable (streaming) datasets, as TRL takes them: each process reads its own slice of the stream,
-        so accelerate must not dispatch batches from the main process (`dispatch_batches=False`, set here);
-        the training stream holds the groups in order, so it is read by one dataloader worker."""
-        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
-        if not any(_is_iterable(ds) for ds in (train_dataset, *evals)):
-            return
-        if args.accelerator_config.dispatch_batches:
-            raise ValueError("Iterable datasets require `dispatch_batches=False`, but it is set to `True` in "
-                             "`accelerator_config`. Please set it to `False`.")
-        args.accelerator_config.dispatch_batches = False
-        if not _is_iterable(train_dataset):
-            return
-        if args.dataloader_num_workers != 0:
-            logger.warning("Iterable datasets require `dataloader_num_workers=0` to preserve prompt grouping; "
-                           "overriding the provided value (%d).", args.dataloader_num_workers)
-            args.dataloader_num_workers = 0
-        if getattr(args, "use_async_rollout", False):
-            raise ValueError("use_async_rollout=True needs a map-style train_dataset (the next round's prompts are "
-                             "read ahead by index); load the dataset without streaming, or set use_async_rollout=False.")
 
     def _engine_prompt_limit(self, max_prompt_length: int | None) -> int | None:
         """The prompt length limit: `max_prompt_length`, lowered so that prompt and completion fit an in-process vLLM
@@ -232,14 +180,14 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__} needs a train_dataset with a 'prompt' column.")
         dataset = self.train_dataset
-        if _is_iterable(dataset):  # no sampler can index it: the stream itself is laid out in rounds
+        if is_iterable(dataset):  # no sampler can index it: the stream itself is laid out in rounds
             if self.dims.sp > 1:
                 raise ValueError("an iterable train_dataset with sequence_parallel_size > 1 is not supported: use a "
                                  "map-style datasets.Dataset, or sequence_parallel_size=1.")
             a = self.args
             if a.shuffle_dataset and callable(getattr(dataset, "shuffle", None)):
                 dataset = dataset.shuffle(seed=a.seed)  # a buffered shuffle, reseeded each epoch
-            dataset = _GroupRounds(dataset, a.num_generations, a.per_device_train_batch_size * a.steps_per_generation,
+            dataset = GroupRounds(dataset, a.num_generations, a.per_device_train_batch_size * a.steps_per_generation,
                                    self.dims.dp_size, a.steps_per_generation * a.num_iterations)
             if self.dims.replica_size > 1:  # accelerate deals every process a chunk: each its replica's
                 dataset = ReplicaDeal(dataset, a.per_device_train_batch_size * a.steps_per_generation,
@@ -255,7 +203,7 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         an iterable evaluation set is read by one worker, whatever `dataloader_num_workers` says for training."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         dataset = self.eval_dataset[dataset] if isinstance(dataset, str) else dataset
-        if not _is_iterable(dataset):
+        if not is_iterable(dataset):
             return super().get_eval_dataloader(eval_dataset)
         workers, self.args.dataloader_num_workers = self.args.dataloader_num_workers, 0
         try:
@@ -429,112 +377,6 @@ class OnPolicyTrainer(EngineTrainerMixin, Trainer):
         for k, v in timings.items():
             m[f"timing_s/{k}"].append(v)
         m["perf/tokens_per_second"].append(batch.num_completion_tokens / max(timings["generate"], 1e-9))
-
-    # ------------------------------------------------------------------ evaluation
-    def _eval_generations(self) -> int:
-        """Completions per evaluation prompt (GRPO: `num_generations_eval`, else `num_generations`)."""
-        return 1
-
-    def _eval_loss(self, batch: RolloutBatch, rewards_per_func: torch.Tensor, group_size: int) -> float | None:
-        """The training loss on one evaluation batch (whole groups of `group_size` rows), where the algorithm
-        defines one (the critic-free family); None: not reported."""
-        eval_loss = getattr(self.algorithm, "eval_loss", None)
-        return None if eval_loss is None else eval_loss(batch, rewards_per_func, group_size, self.roles)
-
-    def _eval_batches(self, dataset, prompts_per_batch: int):
-        """This rank's evaluation prompts in batches: a map-style dataset split in contiguous shards, an iterable
-        one (no length) read row by row, every data-parallel rank taking every `dp_size`-th row."""
-        dims = self.dims
-        if _is_iterable(dataset):
-            rows = itertools.islice(iter(dataset), dims.dp_rank, None, dims.dp_size)
-        else:
-            shard = dataset.shard(num_shards=dims.dp_size, index=dims.dp_rank, contiguous=True)
-            rows = (shard[i] for i in range(len(shard)))
-        while batch := list(itertools.islice(rows, prompts_per_batch)):
-            yield batch
-
-    @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Roll out `_eval_generations()` completions per evaluation prompt with the training sampling settings
-        and report the mean rewards (`<prefix>_reward`, `<prefix>_rewards/<func>/mean`), completion length, the
-        reward functions' `log_metric` values and the training loss on those rollouts (`<prefix>_loss`, where the
-        algorithm defines one); prompts are split across data-parallel ranks and the sums reduced. A dict of
-        datasets is evaluated per entry (`<prefix>_<name>_...`); iterable (streaming) datasets are read once."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset (pass one here or to the trainer).")
-        if isinstance(dataset, dict):
-            metrics = {}
-            for name, ds in dataset.items():
-                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        from tqdm.auto import tqdm
-
-        self._sync_engine()
-        for engine in self._trained_engines():
-            engine.train(False)  # no dropout in the evaluation loss (training_step sets train mode back)
-        dims = self.dims
-        repeats = self._eval_generations()
-        size = max(self.args.per_device_eval_batch_size // repeats, 1)  # prompts per batch
-        n_funcs = len(self.reward_funcs)
-        # sums: combined reward, completion tokens, rows, loss x rows, rows with a loss, then per function
-        # (sum, count of non-None)
-        totals = torch.zeros(5 + 2 * n_funcs, dtype=torch.float64)
-        logged: dict[str, list[float]] = defaultdict(list)
-        batches = self._eval_batches(dataset, size)
-        # every rank runs as many batches as the busiest one (a forward may be a collective): a rank out of
-        # prompts evaluates its first batch again and leaves it out of the sums
-        first, done = None, False
-        progress = tqdm(desc="Evaluating", disable=not self.is_local_process_zero())
-        while True:
-            prompts = None if done else next(batches, None)
-            done = prompts is None
-            if not bool(comm.reduce(dims, torch.tensor([0.0 if done else 1.0]), "max").item()):
-                break
-            counted = not done
-            prompts = prompts if counted else first
-            first = first or prompts
-            if prompts is None:  # this rank had no prompt at all: nothing to run alongside the others
-                continue
-            rows = [row for row in prompts for _ in range(repeats)]
-            collected = self._collect(rows, self.engine)  # the training rollout path (tools, rollout_func)
-            batch, per_func = collected.batch, collected.rewards_per_func.double().cpu()
-            loss = self._eval_loss(batch, collected.rewards_per_func, repeats)
-            if not counted:
-                continue
-            combined = combine_rewards(per_func, self.args.reward_weights)
-            totals[0] += combined.sum()
-            totals[1] += batch.completion_mask.sum().item()
-            totals[2] += len(rows)
-            if loss is not None:
-                totals[3] += loss * len(rows)
-                totals[4] += len(rows)
-            valid = ~per_func.isnan()
-            totals[5::2] += torch.where(valid, per_func, 0.0).sum(0)
-            totals[6::2] += valid.sum(0)
-            for name, values in collected.reward_context.metrics.items():
-                logged[name].extend(values)
-            progress.update(1)
-        progress.close()
-        totals = comm.reduce(dims, totals, "sum")
-        rows_seen = max(totals[2].item(), 1.0)
-        metrics = {f"{metric_key_prefix}_reward": totals[0].item() / rows_seen,
-                   f"{metric_key_prefix}_completions/mean_length": totals[1].item() / rows_seen}
-        if totals[4].item() > 0:
-            metrics[f"{metric_key_prefix}_loss"] = totals[3].item() / totals[4].item()
-        for i, name in enumerate(self.reward_names):
-            count = totals[6 + 2 * i].item()
-            metrics[f"{metric_key_prefix}_rewards/{name}/mean"] = totals[5 + 2 * i].item() / count if count else float("nan")
-        names = sorted({n for part in comm.gather_objects(dims, [sorted(logged)]) for n in part})
-        if names:  # log_metric values: mean over every rank's values
-            sums = torch.tensor([[sum(logged[n]), len(logged[n])] for n in names], dtype=torch.float64)
-            sums = comm.reduce(dims, sums, "sum")
-            for n, (total, count) in zip(names, sums.tolist()):
-                if count:
-                    metrics[f"{metric_key_prefix}_{n}"] = total / count
-        Trainer.log(self, metrics)  # not self.log: the training metrics buffer stays for the next train log
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
 
     # ------------------------------------------------------------------ loop
     def train(self, *args, **kwargs):

@@ -46,7 +46,6 @@ class ParallelArguments:
         """`sequence_parallel_size`, checked up front: an int >= 1 that divides the launch's processes; left at 1,
         it takes the launch's `parallelism_config` sp_size (both set and different: an error)."""
         from hf_verl.parallel.backend import resolve_sequence_parallel_size
-
         from hf_verl.settings import check_settings
 
         check_settings(self, ("sequence_parallel_size",))  # the schema's one mechanism (hf_verl.settings)
