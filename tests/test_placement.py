@@ -299,3 +299,83 @@ def test_a_served_reference_over_two_processes_equals_the_local_one_in_one_proce
         b = load_file(str(tmp_path / "final" / sub / "model.safetensors"))
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         assert worst < 2e-5, (sub or "actor", worst)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the trainer configs' placement: the facade's values, the same role builder
+TRAINER_PLACEMENTS = {"ppo": {"critic": "fsdp2", "reference": "fsdp2"}, "grpo": {"reference": "zero3"},
+                      "dpo": {"reference": "fsdp2"}}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("algo", list(TRAINER_PLACEMENTS))
+def test_trainer_config_placement_over_two_processes_equals_one_process(tmp_path_factory, algo):
+    """PPOConfig / GRPOConfig / DPOConfig(placement=...) in a DDP launch of 2 gloo processes: the critic and the
+    reference run on their own backends (the labels say so), and the 3 losses and final weights equal the
+    one-process run of the same global batch with every role colocated."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_parallel_backends import ROOT, _env, _failure, _launch, assert_same_run
+
+    placement = TRAINER_PLACEMENTS[algo]
+    if any(b.startswith("zero") for b in placement.values()):
+        pytest.importorskip("deepspeed")
+    single, double = tmp_path_factory.mktemp(f"{algo}-one"), tmp_path_factory.mktemp(f"{algo}-placed")
+    proc = subprocess.run([sys.executable, "-m", "tests.distributed.parity", algo, str(single)], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _launch("ddp_cpu.yaml", algo, double, PARITY_PLACEMENT=json.dumps(placement))
+    assert proc.returncode == 0, _failure(proc)
+    want = json.loads((single / "result.json").read_text())
+    got = json.loads((double / "result.json").read_text())
+    labels = {"fsdp2": "fsdp2", "zero3": "deepspeed ZeRO-3"}
+    assert got["backend"] == "ddp" and got["world"] == 2
+    assert got["roles"] == {role: labels[b] for role, b in placement.items()}
+    assert_same_run(want, got, single, double, algo)
+
+
+def test_trainer_configs_check_placement_for_the_roles_they_have(tmp_path):
+    from hf_verl import DPOConfig, GRPOConfig, PPOConfig
+
+    common = dict(output_dir=str(tmp_path), use_cpu=True)
+    with pytest.raises(ValueError, match=r"GRPOConfig.placement\['critic'\]: this trainer has no critic role"):
+        GRPOConfig(placement={"critic": "fsdp2"}, **common)
+    with pytest.raises(ValueError, match=r"DPOConfig.placement\['generator'\]: this trainer has no generator"):
+        DPOConfig(placement={"generator": "http://127.0.0.1:8000"}, **common)
+    with pytest.raises(ValueError, match=r"PPOConfig.placement\['critic'\] = 'fsdp2' shards over processes but "
+                                         "this launch has one"):
+        PPOConfig(placement={"critic": "fsdp2"}, **common)
+    with pytest.raises(ValueError, match="placement has unknown role 'actr'"):
+        GRPOConfig(placement={"actr": "ddp"}, **common)
+    assert GRPOConfig(placement='{"generator": "http://127.0.0.1:9"}', **common).placement == {
+        "generator": "http://127.0.0.1:9"}  # the command line's JSON
+
+
+def test_a_trainers_reference_and_generator_urls_become_remote_roles(tmp_path):
+    from datasets import Dataset
+
+    from hf_verl import GRPOConfig, GRPOTrainer
+    from hf_verl.engine.remote_reference import RemoteReference
+    from hf_verl.rollout.remote import RemoteEngine
+    from tests.test_grpo_trainer import _args, _model, count_a
+
+    tok = build_char_tokenizer()
+    trainer = GRPOTrainer(model=_model(tok), reward_funcs=count_a, processing_class=tok,
+                          train_dataset=Dataset.from_dict({"prompt": ["abc"] * 8}),
+                          args=_args(tmp_path, beta=0.1, placement={"reference": "http://127.0.0.1:9/v1",
+                                                                    "generator": "http://127.0.0.1:10"}))
+    assert isinstance(trainer.reference, RemoteReference) and trainer.ref_model is None
+    assert isinstance(trainer.engine, RemoteEngine) and trainer.engine.base_url == "http://127.0.0.1:10"
+
+
+def test_dpo_refuses_a_served_reference(tmp_path):
+    from hf_verl import DPOConfig, DPOTrainer
+    from tests.test_dpo_trainer import _data, _model
+
+    tok = build_char_tokenizer()
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], placement={"reference": "http://127.0.0.1:9"})
+    with pytest.raises(ValueError, match="scores rollout completions only, not DPO's chosen / rejected pairs"):
+        DPOTrainer(model=_model(tok), args=args, train_dataset=_data(), processing_class=tok)

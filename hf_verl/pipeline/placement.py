@@ -40,7 +40,7 @@ FACADE_ARGUMENTS = {"reference": "reference_model=", "critic": "critic_model=", 
 """The facade's argument for each role, named in messages (the trainers pass TRL's: `ref_model=`, ...)."""
 
 
-def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool, has_critic: bool,
+def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool | None, has_critic: bool | None,
                     world_size: int, engines: tuple[str, ...], roles: tuple[str, ...] = ("reference", "critic",
                                                                                          "generator"),
                     arguments: Mapping[str, str] = FACADE_ARGUMENTS, owner: str = "placement") -> dict[str, str]:
@@ -48,7 +48,8 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool,
 
     Args:
         placement: `{role: choice}` as the module docstring lists.
-        has_reference / has_critic (`bool`): whether those roles have a model (given, or made by the front-end).
+        has_reference / has_critic (`bool`, *optional*): whether those roles have a model (given, or made by the
+            front-end); None: not known yet (a config, checked again by its trainer), those checks are skipped.
         world_size (`int`): processes of the launch.
         engines (`tuple[str, ...]`): registered engine names (:data:`hf_verl.engine.registry.ENGINES`).
         roles (`tuple[str, ...]`): the roles this front-end runs (DPO: the reference only).
@@ -81,13 +82,13 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool,
                 raise ValueError(f"{owner}['generator'] = {choice!r}: use 'colocated' or the URL of a "
                                  "/v1/completions server, e.g. 'http://127.0.0.1:8000'.")
         elif role == "reference" and is_url(choice):
-            if has_reference:
+            if has_reference is True:
                 raise ValueError(f"{owner}['reference'] = {choice!r} is a server, so the reference is the model it "
                                  f"serves: drop {arguments['reference']} (and pass the served model's tokenizer if "
                                  "it is not the actor's).")
         else:
             given = has_reference if role == "reference" else has_critic
-            if not given:
+            if given is False:
                 raise ValueError(f"{owner}[{role!r}] = {choice!r} but no {role} model was given: pass "
                                  f"{arguments[role]}, or drop {role!r} from placement.")
             if choice != COLOCATED:

@@ -215,7 +215,7 @@ class DPOTrainer(PreferenceData, EngineTrainerMixin, Trainer):
         # log-probs are precomputed, the policy itself before its first step (as TRL: no copy is kept); else a
         # frozen copy of the policy
         layout = launch_layout(args.world_size, args)
-        builder = self._role_builder(args, layout, has_reference=True)
+        builder = self._role_builder(args, layout, has_reference=True if ref_model is not None else None)
         if builder.remote_url("reference") is not None:
             raise ValueError("DPOConfig.placement['reference'] is a URL, but a served reference scores rollout "
                              "completions only, not DPO's chosen / rejected pairs: place the reference on a backend "

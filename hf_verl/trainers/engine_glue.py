@@ -264,7 +264,7 @@ class EngineTrainerMixin:
         merged = list(dict.fromkeys([*self._tag_names, *extra]))
         return super().create_model_card(model_name=model_name, tags=merged or None, **kwargs)
 
-    def _role_builder(self, args: Any, layout: RoleLayout, *, has_reference: bool, has_critic: bool = False
+    def _role_builder(self, args: Any, layout: RoleLayout, *, has_reference: bool | None, has_critic: bool = False
                       ) -> RoleBuilder:
         """The run's :class:`~hf_verl.pipeline.role_builder.RoleBuilder` (the facade's too), on the launch's layout
         and the config's `placement`, checked against the roles this trainer has. The accelerator is attached by

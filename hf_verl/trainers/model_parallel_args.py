@@ -87,7 +87,7 @@ class ModelParallelArguments:
         if isinstance(self.placement, str) and self.placement.strip().startswith("{"):
             self.placement = json.loads(self.placement)
         if self.placement is not None:
-            check_placement(self.placement, has_reference=True, has_critic=True,
+            check_placement(self.placement, has_reference=None, has_critic=None,
                             world_size=int(os.environ.get("WORLD_SIZE", "1")), engines=tuple(ENGINES),
                             roles=self._placement_roles, arguments=TRL_ARGUMENTS,
                             owner=f"{type(self).__name__}.placement")

@@ -91,8 +91,9 @@ class OnPolicyTrainer(RolloutEvaluation, EngineTrainerMixin, Trainer):
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
         # every role is built by the role builder the facade uses too (pipeline/role_builder.py)
         layout = launch_layout(args.world_size, args)
-        builder = self._role_builder(args, layout, has_reference=need_reference or ref_model is not None,
-                                     has_critic=critic)
+        # a reference: given (a URL placement would then conflict), made from the actor when needed, or none
+        has_reference = True if ref_model is not None else (None if need_reference else False)
+        builder = self._role_builder(args, layout, has_reference=has_reference, has_critic=critic)
         if ref_model is None and need_reference and not is_peft:
             # PEFT: the base model with adapters disabled is the reference; a sharded actor's is loaded sharded
             ref_model = builder.reference_model(model, bf16=bool(args.bf16), fp16=bool(args.fp16))

@@ -1,6 +1,7 @@
 """Three training steps of GRPO, PPO (with a critic and a reference) or DPO on one global batch.
 
-ALGO "facade" runs the role facade's loop (critic, reference) instead of a trainer.
+ALGO "facade" runs the role facade's loop (critic, reference) instead of a trainer. `PARITY_PLACEMENT` (JSON) puts
+the trainer config's `placement` on the roles (a critic or reference on its own backend).
 Run alone (`python -m tests.distributed.parity ALGO OUT`) it is the single-process baseline; run
 under `accelerate launch --config_file configs/accelerate/<backend>_cpu.yaml` it trains the same
 global batch split over 2 processes on that backend. The main rank writes `OUT/result.json` (the
@@ -47,6 +48,8 @@ def common(out, world):
     sp = {"sequence_parallel_size": SP} if SP > 1 else {}
     if MEGATRON and not os.environ.get("PARITY_MEGATRON_FROM_LAUNCH"):  # else an accelerate MEGATRON_LM config asks
         sp.update(backend="megatron", tensor_model_parallel_size=MEGATRON[0], pipeline_model_parallel_size=MEGATRON[1])
+    if os.environ.get("PARITY_PLACEMENT"):  # the roles' placement in the trainer config (JSON)
+        sp["placement"] = json.loads(os.environ["PARITY_PLACEMENT"])
     return dict(output_dir=out, use_cpu=os.environ.get("PARITY_USE_CPU", "1") == "1", report_to=[], max_steps=3,
                 logging_steps=1, per_device_train_batch_size=GLOBAL_ROWS // (world // MODEL_PARALLEL),
                 gradient_accumulation_steps=1,
@@ -177,8 +180,10 @@ def main(algo: str, out: str) -> None:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         extra = {k: [h[k] for h in trainer.state.log_history if k in h]
                  for k in ("loss/value_avg", "reward", "rewards/chosen")}
+        roles = {name: getattr(trainer, name).backend.label for name in ("reference", "critic")
+                 if getattr(getattr(trainer, name, None), "backend", None) is not None}
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"losses": losses, "extra": extra, "backend": trainer.backend.label,
+            json.dump({"losses": losses, "extra": extra, "backend": trainer.backend.label, "roles": roles,
                        "world": trainer.dims.world_size, "dp_size": trainer.dims.dp_size, "sp": trainer.dims.sp,
                        "attention": trainer.actor.config._attn_implementation,
                        "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
