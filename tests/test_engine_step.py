@@ -143,6 +143,39 @@ def test_registry_names_roles_and_engines():
     assert (fsdp.dims.dp_shard, fsdp.dims.dp_replicate, fsdp.backend.kind) == (2, 1, "fsdp2")
 
 
+def test_an_engine_is_its_parts_and_a_served_reference_only_scores():
+    """TrainingEngine is the step, scoring, weights and adapters parts; a role that only scores implements `infer`
+    alone (the served reference), and a part left unimplemented is refused at construction."""
+    from hf_verl.engine.base import TrainingEngine
+    from hf_verl.engine.parts import AdapterEngine, ModelScoring, ScoringEngine, StepEngine, WeightsEngine
+    from hf_verl.engine.remote_reference import RemoteReference
+
+    parts = (StepEngine, ModelScoring, ScoringEngine, WeightsEngine, AdapterEngine)
+    tok = build_char_tokenizer()
+    engine = make_engine(_model(tok), "reference", LAYOUT, trainable=False)
+    assert isinstance(engine, TrainingEngine) and all(isinstance(engine, part) for part in parts)
+    remote = RemoteReference("http://h:1")
+    assert isinstance(remote, ScoringEngine)
+    assert not any(isinstance(remote, part) for part in (TrainingEngine, StepEngine, ModelScoring, WeightsEngine))
+
+    class Scores(ScoringEngine):  # what a scoring-only role must provide: infer
+        role, device = "reference", torch.device("cpu")
+
+        def infer(self, batch, forward, *, micro_batch=None):
+            return batch
+
+    assert Scores().infer(1, LogProbs()) == 1
+    with pytest.raises(TypeError, match="abstract"):
+        type("NoStep", (TrainingEngine,), {})()
+    assert {"forward_backward", "optimizer_step", "export_weights", "infer", "adapters_disabled"} <= set(
+        dir(TrainingEngine))
+    assert {"optimizer_step", "_backward"} <= StepEngine.__abstractmethods__
+    assert {"export_weights", "save_checkpoint"} <= WeightsEngine.__abstractmethods__
+    assert {"token_logprobs", "logprobs"} <= ModelScoring.__abstractmethods__
+    assert ScoringEngine.__abstractmethods__ == {"infer"}
+    assert AdapterEngine.__abstractmethods__ == {"model", "module", "training", "train"}  # the model views only
+
+
 @pytest.mark.parametrize("trainer_kind", ["grpo", "dpo"])
 def test_trainers_hand_each_accumulation_window_to_the_engine_whole(tmp_path, trainer_kind):
     """gradient_accumulation_steps=2: one forward_backward of 2 micro-batches per optimizer step, then one

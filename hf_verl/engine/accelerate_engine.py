@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from hf_verl.algorithms.logprobs import logprobs_from_head
-from hf_verl.engine.base import TokenStats, TrainingEngine
+from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.hf_layouts import HFLayouts, select_positions
+from hf_verl.engine.parts.scoring import TokenStats
 from hf_verl.parallel.precision import amp_dtype, autocast
 from hf_verl.engine.step import OptimizerSpec, SchedulerSpec
 from hf_verl.parallel import deepspeed as ds

@@ -2,7 +2,7 @@
 
 Mixed into :class:`~hf_verl.engine.accelerate_engine.AccelerateEngine` (and any engine whose model is a
 transformers model run whole or in data-parallel / sequence-parallel shards), over the two forward primitives
-:meth:`~hf_verl.engine.base.TrainingEngine.token_logprobs` and `token_values`. A rollout (left-padded prompt,
+:meth:`~hf_verl.engine.parts.scoring.ModelScoring.token_logprobs` and `token_values`. A rollout (left-padded prompt,
 right-padded completion) is scored in one of three layouts, all equal to float rounding:
 
 - padded rows;
@@ -31,7 +31,7 @@ from hf_verl.data.prefix_sharing import (
     share_prefixes,
     sharing_cost,
 )
-from hf_verl.engine.base import TokenStats
+from hf_verl.engine.parts.scoring import TokenStats
 
 # Packing saves the padded positions' work and costs one attention call per row and layer. Measured on the
 # CPU (benchmarks/packing.py), that call costs about as much as PACK_ROW_COST / hidden_size tokens do.

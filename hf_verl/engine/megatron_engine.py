@@ -41,8 +41,10 @@ import torch
 import torch.distributed as dist
 
 from hf_verl.data.batch import RolloutBatch
-from hf_verl.engine.base import TokenStats, TrainingEngine
+from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.hf_layouts import position_ids_from_mask, rollout_positions, scatter_completion
+from hf_verl.engine.parts.scoring import TokenStats, concat_outputs, row_chunks
+from hf_verl.engine.parts.stepping import detached
 from hf_verl.engine.step import (
     ForwardRequest,
     LogProbs,
@@ -506,7 +508,7 @@ class MegatronEngine(TrainingEngine):
                 loss, metrics = loss_fn(out, batch)
                 records.append({"loss": loss.detach().float().cpu(),
                                 "metrics": {k: float(v) for k, v in metrics.items()},
-                                "output": _detached(out) if keep_outputs else None})
+                                "output": detached(out) if keep_outputs else None})
                 # the schedule divides each micro-batch's loss by their number; the engine's contract is loss_scale
                 return loss * (loss_scale * n), {}
 
@@ -539,22 +541,17 @@ class MegatronEngine(TrainingEngine):
     def infer(self, batch: Any, forward: ForwardRequest, *, micro_batch: int | None = None) -> Any:
         if self.dims.pp == 1:
             return super().infer(batch, forward, micro_batch=micro_batch)
-        from hf_verl.engine.base import _concat
-
         was_training = self.training
         self.train(False)
         try:
-            if micro_batch is None:  # one forward over the whole batch (any type the request takes)
-                parts = [batch]
-            else:
-                size = max(1, micro_batch)
-                parts = [batch.select(slice(i, i + size)) for i in range(0, batch.batch_size, size)]
+            # one forward over the whole batch (any type the request takes), or micro_batch rows at a time
+            parts = [batch] if micro_batch is None else list(row_chunks(batch, micro_batch))
             zero = torch.zeros(())
             result = self.forward_backward(parts, lambda out, mb: (zero, {}), forward=forward, forward_only=True,
                                            keep_outputs=True)
         finally:
             self.train(was_training)
-        return _concat(result.outputs)
+        return concat_outputs(result.outputs)
 
     def _backward(self, loss: torch.Tensor) -> None:
         raise RuntimeError("the Megatron engine runs its backward inside forward_backward's schedule.")
@@ -793,9 +790,3 @@ def _shape_of(batch: Any) -> tuple[int, int]:
     if isinstance(batch, dict) and "input_ids" in batch:
         return batch["input_ids"].shape[1], batch["input_ids"].shape[0]
     return 1, 1
-
-
-def _detached(out: Any) -> Any:
-    from hf_verl.engine.base import _detached as detached
-
-    return detached(out)

@@ -6,7 +6,8 @@ vLLM's server and `hf-verl serve` both answer with the log-prob of every prompt 
 (`logprobs.token_logprobs`, `null` first; :mod:`hf_verl.serve.prompt_logprobs`). The completion's part of those
 is the reference's `(B, C)` log-probs. It stands where a reference engine stands
 (:func:`hf_verl.pipeline.phases.reference_logprobs`): `infer(batch, LogProbs(...))`, also behind
-:class:`~hf_verl.pipeline.cross_tokenizer.CrossTokenizer` when the served model has another tokenizer.
+:class:`~hf_verl.pipeline.cross_tokenizer.CrossTokenizer` when the served model has another tokenizer. It is the
+scoring part of an engine alone (:class:`~hf_verl.engine.parts.scoring.ScoringEngine`): no step, no weights.
 
 Temperature: hf_verl scores at the sampling temperature (:mod:`hf_verl.rollout.base`). `hf-verl serve` applies the
 request's `temperature` to prompt log-probs and says so in each choice (`prompt_logprobs_temperature`); vLLM's
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from hf_verl._http import post_json
+from hf_verl.engine.parts.scoring import ScoringEngine
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ def parse_echo(answer: Any, sequences: list[list[int]], temperature: float) -> l
     return out  # type: ignore[return-value]
 
 
-class RemoteReference:
+class RemoteReference(ScoringEngine):
     """A KL reference served behind a URL (see the module docstring).
 
     Args:
