@@ -448,3 +448,23 @@ def test_facade_reward_functions_get_trls_logging_keywords():
     trainer = make_trainer(reward_model=logging_reward)
     rollout = trainer.rollout(PROMPTS)
     assert rollout.metrics["my/len"] == float(sum(len(c) for c in rollout.completions))
+
+
+@pytest.mark.parametrize("estimator, loss, kl", [("remax", None, "k1"), ("optimal_token_baseline", "vanilla", "k2"),
+                                                 ("gdpo", "gspo", "k3")])
+def test_the_facade_runs_every_estimator_loss_and_kl_estimator_the_trainers_run(estimator, loss, kl):
+    """The facade runs the trainers' algorithm object: ReMax (its greedy baseline from the facade's engine) and the
+    optimal-token baseline (the sampling policy's statistics), which it used to refuse, train like any other."""
+    trainer = make_trainer(config=dict(advantage_estimator=estimator, policy_loss=loss, kl_estimator=kl, beta=0.1),
+                           reference_model=tiny_llama(build_char_tokenizer(), seed=3))
+    before = snapshot(trainer.model)
+    rollout = trainer.rollout(PROMPTS)
+    assert rollout.advantages.shape == rollout.completion_ids.shape and torch.isfinite(rollout.advantages).all()
+    if estimator == "remax":  # reward minus the greedy completion's reward of the same prompt: one greedy per prompt
+        greedy = trainer._round_collector().greedy_scores(rollout, [{"prompt": p} for p in rollout.prompts],
+                                                          trainer.engine, None)
+        expected = (rollout.rewards - greedy).unsqueeze(1) * rollout.completion_mask
+        torch.testing.assert_close(rollout.advantages, expected)
+    metrics = trainer.step(trainer.compute_loss(rollout))
+    assert "kl" in metrics and torch.isfinite(torch.tensor(metrics["loss/total"]))
+    assert changed(before, trainer.model)
