@@ -156,7 +156,7 @@ register_engine("accelerate", _accelerate_engine)
 
 
 def _megatron_engine(model: Any, *, role: str, layout: RoleLayout, **options: Any) -> TrainingEngine:
-    from hf_verl.engine.megatron_engine import MegatronEngine  # imported on use: an optional backend
+    from hf_verl.engine.megatron import MegatronEngine  # imported on use: an optional backend
 
     return MegatronEngine(model, role=role, dims=layout.dims, **options)
 

@@ -1,7 +1,7 @@
 """Megatron engine against the HF model, every bridged family, under `torchrun` (TP / PP from the environment).
 
 For each family (Llama, Qwen2 with q/k/v biases and tied embeddings, Qwen3 with q/k norms, Mistral), a tiny
-model built in code is converted into a :class:`~hf_verl.engine.megatron_engine.MegatronEngine` on the launch's
+model built in code is converted into a :class:`~hf_verl.engine.megatron.MegatronEngine` on the launch's
 layout (`MEGATRON_TP`, `MEGATRON_PP`), and:
 
 - the engine's log-probs and entropies of a left- and right-padded rollout are compared with the HF model's
@@ -81,7 +81,7 @@ def hf_values(hf, b: RolloutBatch):
 
 
 def main(out: str) -> None:
-    from hf_verl.engine.megatron_engine import MegatronEngine
+    from hf_verl.engine.megatron import MegatronEngine
 
     ensure_process_group()
     tp, pp = int(os.environ.get("MEGATRON_TP", "1")), int(os.environ.get("MEGATRON_PP", "1"))

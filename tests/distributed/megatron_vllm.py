@@ -38,7 +38,7 @@ def main(out_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from hf_verl.data.batch import RolloutBatch
-    from hf_verl.engine.megatron_engine import MegatronEngine
+    from hf_verl.engine.megatron import MegatronEngine
 
     ensure_process_group()
     tp, pp = int(os.environ.get("MEGATRON_TP", "2")), int(os.environ.get("MEGATRON_PP", "1"))

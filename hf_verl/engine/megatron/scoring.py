@@ -1,0 +1,240 @@
+"""`MegatronScoring`: the scoring part of the Megatron engine, as forward plans.
+
+A request's forward on Megatron-Core is a :class:`Plan`: the stage's inputs (token ids, positions, a `(B, 1, T, T)`
+mask) and a `finish` that turns the last stage's output into the request's answer. The plan is what lets the
+pipeline schedule run a request stage by stage (:meth:`MegatronScoring._plan`, which
+:meth:`~hf_verl.engine.megatron.engine.MegatronEngine.forward_backward` calls for every micro-batch), and what the
+primitives run in one call at `pp=1`.
+
+Log-probs never gather the vocabulary: a forward pre-hook on the LM head (:meth:`MegatronScoring._select_head_rows`)
+takes the final hidden states of the scored positions away from Megatron's head call, and the plan's `finish` runs
+the vocabulary-parallel head on them a chunk at a time (:meth:`MegatronScoring._head_stats`), reducing one number
+per position across the slices (:func:`~hf_verl.parallel.megatron.vocab.token_stats`). Prompt and padding positions
+never reach the head.
+
+Requests served at every layout: :class:`~hf_verl.engine.step.LogProbs`, :class:`~hf_verl.engine.step.Values`,
+:class:`~hf_verl.engine.step.SamplingStatistics`, and any request that states its forward as a
+:class:`~hf_verl.engine.step.TokenQuery` (DPO's pairs); at `pp=1` also any other request built on the primitives
+:meth:`~MegatronScoring.token_logprobs` / :meth:`~MegatronScoring.token_values`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from hf_verl.data.batch import RolloutBatch
+from hf_verl.engine.hf_layouts import position_ids_from_mask, rollout_positions, scatter_completion
+from hf_verl.engine.parts.scoring import ModelScoring, TokenStats
+from hf_verl.engine.step import ForwardRequest, LogProbs, PolicyOutput, SamplingStatistics, Values
+from hf_verl.parallel.megatron.compat import cpu_compat
+from hf_verl.parallel.megatron.vocab import token_stats
+
+
+@dataclass
+class Plan:
+    """One micro-batch's forward: the model's inputs and what turns the last stage's output into the request's.
+    `head_rows`: the positions the LM head scores (a `(B, T)` mask or a flat `(N,)` index): only those go
+    through it, and the output is then `(1, N, V_local)` in that order."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor  # (B, 1, T, T) bool, True = masked
+    finish: Callable[[torch.Tensor], Any]
+    head_rows: torch.Tensor | None = None
+    head_hidden: torch.Tensor | None = None  # the scored positions' final hidden states, set during the forward
+
+
+def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
+    """Megatron's `(B, 1, T, T)` boolean mask (True = not attended) from a `(B, T)` padding mask: causal, and
+    no attention to padding."""
+    T = mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()
+    return ~(causal[None, None] & mask.bool()[:, None, None, :])
+
+
+class MegatronScoring(ModelScoring):
+    """The scoring part on Megatron-Core (see the module docstring); mixed into
+    :class:`~hf_verl.engine.megatron.engine.MegatronEngine`, which sets what it reads: `_stage` (this rank's
+    stage), `_arch`, `_ctx` (the shard context), `_kind` ("causal_lm" or "value"), `_ps` (Megatron's
+    `parallel_state`), `_tp_rank`, `_last` (the last pipeline stage) and `_head_plan` (the plan whose forward runs
+    now)."""
+
+    def _select_head_rows(self, module, args, kwargs):
+        """Take the final hidden states of the positions a request scores away from Megatron's LM head call: they
+        go into the plan's box, and the head is called on no row (its output is not read). The plan's `finish`
+        runs the head on them in chunks (:meth:`_head_stats`): prompt and padding positions never reach it."""
+        plan, self._head_plan = self._head_plan, None
+        if plan is None or plan.head_rows is None:
+            return None
+        rows = plan.head_rows
+        hidden = args[0].transpose(0, 1)  # [b, s, h]
+        plan.head_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows) if rows.dtype != torch.bool \
+            else hidden[rows]
+        return (args[0][:0], *args[1:]), kwargs
+
+    def _head_stats(self, hidden: torch.Tensor, targets: torch.Tensor, *, chunk_size: int, **kwargs) -> TokenStats:
+        """Token statistics of `hidden` `(N, h)` through the vocabulary-parallel LM head, a chunk of positions at a
+        time (each chunk's fp32 logits within 256 MiB, recomputed in the backward instead of kept)."""
+        stage = self._stage
+        weight = stage.shared_embedding_or_output_weight() if stage.share_embeddings_and_output_weights else None
+        v_local = self._ctx.padded_vocab_size // self.dims.tp
+        step = max(1, min(chunk_size, (64 << 20) // v_local))
+        start = self._tp_rank * v_local
+
+        def chunk(h, t):
+            logits, _ = stage.output_layer(h.unsqueeze(1), weight=weight)
+            return token_stats(logits[:, 0], t, vocab_start=start, vocab_size=self._arch.vocab_size,
+                               reduce_sum=self._tp_sum, reduce_max=self._tp_max, **kwargs)
+
+        parts = []
+        for i in range(0, max(hidden.shape[0], 1), step):
+            h, t = hidden[i : i + step], targets[i : i + step]
+            if torch.is_grad_enabled() and h.requires_grad:
+                parts.append(torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False))
+            else:
+                parts.append(chunk(h, t))
+        logp, entropy, log_sum_sq, mean_logit = (
+            None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        return TokenStats(logp=logp, entropy=entropy, mean_logit=mean_logit, log_sum_sq=log_sum_sq)
+
+    def _run(self, plan: Plan, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """The stage's forward of a plan (the LM head on the plan's scored positions only)."""
+        self._head_plan = plan if self._last else None
+        with cpu_compat():
+            return (model or self.module)(plan.input_ids, plan.position_ids, plan.attention_mask)
+
+    def _check_length(self, T: int) -> None:
+        window = self._arch.sliding_window
+        if window is not None and T > window:
+            raise ValueError(f"a sequence of {T} tokens exceeds the model's sliding_window={window}, which the Megatron "
+                             "bridge does not apply: shorten max_prompt_length + max_completion_length, or use "
+                             "another backend.")
+
+    def _stats_plan(self, input_ids: torch.Tensor, targets: torch.Tensor, select: torch.Tensor,
+                    attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, *, temperature: float,
+                    with_entropy: bool = False, with_log_sum_sq: bool = False,
+                    with_mean_logit: bool = False, chunk_size: int = 1024) -> Plan:
+        if self._kind != "causal_lm":
+            raise ValueError(f"the {self.role} is a value model; it has no token log-probs.")
+        self._check_length(input_ids.shape[1])
+        if attention_mask is None:
+            if position_ids is not None and bool((position_ids.diff(dim=-1) < 0).any()):
+                raise ValueError("packed rows (several sequences in one row) are not supported with backend='megatron'; "
+                                 "turn padding_free off.")
+            attention_mask = torch.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        tgt = targets if select.dtype != torch.bool else targets[select]
+        plan = Plan(input_ids, position_ids, attention_mask_4d(attention_mask), lambda _: None, head_rows=select)
+        plan.finish = lambda _output: self._head_stats(
+            plan.head_hidden, tgt, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
+            with_log_sum_sq=with_log_sum_sq, with_mean_logit=with_mean_logit)
+        return plan
+
+    def _values_plan(self, input_ids, select, attention_mask, position_ids) -> Plan:
+        if self._kind != "value":
+            raise ValueError(f"the {self.role} is a causal LM; values come from a critic (a value model).")
+        self._check_length(input_ids.shape[1])
+        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        position_ids = position_ids_from_mask(attention_mask) if position_ids is None else position_ids
+        return Plan(input_ids, position_ids, attention_mask_4d(attention_mask),
+                    lambda out: out[..., 0][select].float())
+
+    def _tp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dims.tp == 1:
+            return t
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(t)
+
+    def _tp_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dims.tp > 1:
+            t = t.clone()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ps.get_tensor_model_parallel_group())
+        return t
+
+    def _plan(self, request: ForwardRequest, batch: Any) -> Plan | None:
+        """The plan of a request this engine serves itself (None: run the request on the primitives)."""
+        if isinstance(request, LogProbs):
+            if request.with_aux_loss:
+                raise ValueError("a router aux loss (Mixture of Experts) is not bridged to backend='megatron'.")
+            ids, mask, select, targets = rollout_positions(batch)
+            plan = self._stats_plan(ids, targets, select, mask, None, with_entropy=request.with_entropy,
+                                    temperature=request.temperature if request.temperature > 0 else 1.0,
+                                    chunk_size=request.chunk_size)
+            stats = plan.finish
+            plan.finish = lambda out: PolicyOutput(
+                logp=scatter_completion(batch, (s := stats(out)).logp),
+                entropy=scatter_completion(batch, s.entropy) if request.with_entropy else None)
+            return plan
+        if isinstance(request, SamplingStatistics):
+            ids, mask, select, targets = rollout_positions(batch)
+            plan = self._stats_plan(ids, targets, select, mask, None, with_log_sum_sq=True,
+                                    temperature=request.temperature if request.temperature > 0 else 1.0,
+                                    chunk_size=request.chunk_size)
+            stats = plan.finish
+            plan.finish = lambda out: (scatter_completion(batch, (s := stats(out)).logp),
+                                       scatter_completion(batch, s.log_sum_sq.exp()))
+            return plan
+        if isinstance(request, Values):
+            ids, mask, select, _ = rollout_positions(batch)
+            plan = self._values_plan(ids, select, mask, None)
+            values = plan.finish
+            plan.finish = lambda out: scatter_completion(batch, values(out))
+            return plan
+        query = request.token_query(self, batch) if hasattr(request, "token_query") else None
+        if query is not None:  # one token_logprobs call and a reduction (DPO's pairs): schedulable
+            if query.with_aux_loss:
+                raise ValueError("a router aux loss (Mixture of Experts) is not bridged to backend='megatron'.")
+            plan = self._stats_plan(query.input_ids, query.targets, query.select, query.attention_mask,
+                                    query.position_ids, temperature=query.temperature,
+                                    with_entropy=query.with_entropy, with_log_sum_sq=query.with_log_sum_sq,
+                                    with_mean_logit=query.with_mean_logit, chunk_size=query.chunk_size)
+            stats = plan.finish
+            plan.finish = lambda out: request.from_stats(stats(out), batch)
+            return plan
+        return None
+
+    def _whole_model(self, what: str) -> None:
+        if self.dims.pp > 1:
+            raise ValueError(f"{what} runs the whole model in one call, which a pipeline of "
+                             f"{self.dims.pp} stages cannot: use a request the Megatron engine schedules (LogProbs, "
+                             "Values, SamplingStatistics), or pipeline_model_parallel_size=1.")
+
+    def token_logprobs(self, input_ids, targets, select, *, attention_mask=None, position_ids=None, temperature=1.0,
+                       chunk_size=1024, with_entropy=False, with_mean_logit=False, with_aux_loss=False,
+                       with_log_sum_sq=False) -> TokenStats:
+        self._whole_model("token_logprobs")
+        if with_aux_loss:
+            raise ValueError("a router aux loss (Mixture of Experts) is not bridged to backend='megatron'.")
+        plan = self._stats_plan(input_ids, targets, select, attention_mask, position_ids, temperature=temperature,
+                                with_entropy=with_entropy, with_log_sum_sq=with_log_sum_sq,
+                                with_mean_logit=with_mean_logit, chunk_size=chunk_size)
+        return plan.finish(self._run(plan))
+
+    def token_values(self, input_ids, select, *, attention_mask=None, position_ids=None) -> torch.Tensor:
+        self._whole_model("token_values")
+        plan = self._values_plan(input_ids, select, attention_mask, position_ids)
+        return plan.finish(self._run(plan))
+
+    def logprobs(self, batch: RolloutBatch, *, temperature: float = 1.0, chunk_size: int = 1024,
+                 with_entropy: bool = False, with_aux_loss: bool = False):
+        self._whole_model("logprobs")
+        plan = self._plan(LogProbs(temperature, chunk_size, with_entropy, with_aux_loss), batch)
+        out = plan.finish(self._run(plan))
+        return out.logp, out.entropy
+
+    def sampling_statistics(self, batch: RolloutBatch, *, temperature: float = 1.0,
+                            chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        self._whole_model("sampling_statistics")
+        plan = self._plan(SamplingStatistics(temperature, chunk_size), batch)
+        return plan.finish(self._run(plan))
+
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        self._whole_model("values")
+        plan = self._plan(Values(), batch)
+        return plan.finish(self._run(plan))
