@@ -3,7 +3,7 @@
 For each configuration (model width/depth, rows, prompt and completion length ranges) one seeded rollout
 batch is scored by the training engine three ways, interleaved round by round: padded
 (`padding_free=False`), packed (`True`) and the default (`None`, which packs when
-`hf_verl.engine.base.packing_pays`). Each line prints the padding per row, the median milliseconds per
+`hf_verl.engine.hf_layouts.packing_pays`). Each line prints the padding per row, the median milliseconds per
 forward+backward and the ratios against padded. The default should never be much slower than the better
 of the two. Measure on a quiet machine.
 

@@ -132,7 +132,8 @@ def make_engine(model: Any, role: str, layout: RoleLayout, **options: Any) -> Tr
         model: the role's model (a transformers model or a `PeftModel`), unsharded, on its device.
         role (`str`): one of :data:`ROLES`.
         layout ([`RoleLayout`]): where it runs.
-        options: the engine's own options (`trainable`, `accelerator`, `bf16`, `gradient_checkpointing`, ...).
+        options: the engine's own options (`trainable`, `accelerator`, `bf16`, `gradient_checkpointing`, ...), and
+            `seed`, the run's seed, for an engine with RNG state of its own.
 
     Raises:
         ValueError: an unknown role or an engine name nothing registered.
@@ -146,19 +147,24 @@ def make_engine(model: Any, role: str, layout: RoleLayout, **options: Any) -> Tr
     return factory(model, role=role, layout=layout, **options)
 
 
-def _accelerate_engine(model: Any, *, role: str, layout: RoleLayout, **options: Any) -> TrainingEngine:
+def _accelerate_engine(model: Any, *, role: str, layout: RoleLayout, seed: int | None = None,
+                       **options: Any) -> TrainingEngine:
     from hf_verl.engine.accelerate_engine import AccelerateEngine
 
+    # `seed` (the run's) is for engines with RNG state of their own; this one draws from torch's, seeded by the run
     return AccelerateEngine(model, role=role, dims=layout.dims, backend=layout.backend, **options)
 
 
 register_engine("accelerate", _accelerate_engine)
 
 
-def _megatron_engine(model: Any, *, role: str, layout: RoleLayout, **options: Any) -> TrainingEngine:
+def _megatron_engine(model: Any, *, role: str, layout: RoleLayout, seed: int | None = None,
+                     **options: Any) -> TrainingEngine:
     from hf_verl.engine.megatron import MegatronEngine  # imported on use: an optional backend
 
-    return MegatronEngine(model, role=role, dims=layout.dims, **options)
+    # Megatron seeds its model-parallel RNG (on a CPU, torch's global one): with the run's seed, not a constant, so
+    # that whatever draws from it later (the shuffled data order, dropout) is what one process of the run would draw
+    return MegatronEngine(model, role=role, dims=layout.dims, **options, **({} if seed is None else {"seed": seed}))
 
 
 def _megatron_installed() -> bool:

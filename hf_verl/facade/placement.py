@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_verl.engine.base import TrainingEngine
 from hf_verl.pipeline.placement import COLOCATED
 from hf_verl.rewards.callables import reward_func_name
 from hf_verl.rewards.remote import RemoteRewardModel
@@ -77,7 +78,7 @@ def memory_estimate(model: Any, layout: Any, config: Any = None, role: str = "ac
 
     if config is None:
         return "n/a (no trainer config to size the step)"
-    if model is not None and hasattr(model, "backend") and hasattr(model, "model"):  # a training engine
+    if isinstance(model, TrainingEngine):
         engine, model = model, model.model
         if not isinstance(getattr(model, "config", None), PretrainedConfig):  # a Megatron stage
             model = getattr(engine, "config", None)

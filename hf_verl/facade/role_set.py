@@ -172,7 +172,8 @@ class FacadeRoles:
 
     def _engine_options(self, role: str, trainable: bool) -> dict:
         cfg = self.config
-        options = {"micro_batch_size": cfg.rollout_batch_size * cfg.num_generations, "max_grad_norm": cfg.max_grad_norm}
+        options = {"seed": cfg.seed, "micro_batch_size": cfg.rollout_batch_size * cfg.num_generations,
+                   "max_grad_norm": cfg.max_grad_norm}
         if role == "critic":
             options["pad_token_id"] = self.tokenizer.pad_token_id
         return options

@@ -98,7 +98,10 @@ class LazyModel:
 
     def _load(self, layout: Any = None) -> torch.nn.Module:
         check_resolvable(self.role, self.source)
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+        )
 
         cls = AutoModelForCausalLM if self.kind == "causal_lm" else AutoModelForSequenceClassification
         kwargs = {"num_labels": 1} if self.kind == "value" else {}
@@ -135,7 +138,10 @@ class LazyModel:
         from accelerate import init_empty_weights
         from transformers import AutoConfig
 
-        from hf_verl.parallel.sharded_load import SafetensorsCheckpoint, resolve_checkpoint
+        from hf_verl.parallel.sharded_load import (
+            SafetensorsCheckpoint,
+            resolve_checkpoint,
+        )
 
         try:
             checkpoint = SafetensorsCheckpoint(resolve_checkpoint(self.source))

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hf_verl.engine.base import TrainingEngine
 from hf_verl.facade.config import TrainerConfig
 from hf_verl.facade.debug import (
     DEFAULT_DEBUG_FILE,
@@ -49,12 +50,12 @@ from hf_verl.facade.roles import model_device_dtype
 from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
 from hf_verl.facade.rows import DatasetRows, batch_rows
 from hf_verl.parallel import comm, watchdog
-from hf_verl.planner.capabilities import supported_parallelisms
 from hf_verl.pipeline import generation
 from hf_verl.pipeline.algorithm import Algorithm, Roles, make_algorithm
 from hf_verl.pipeline.orchestrator import END, Round, RoundHost, RoundOrchestrator
 from hf_verl.pipeline.rounds import Collected, RoundCollector
 from hf_verl.pipeline.tool_rollout import ToolRollout, tool_frequencies, tool_metrics
+from hf_verl.planner.capabilities import supported_parallelisms
 from hf_verl.rewards.callables import combine_rewards, reward_func_name
 from hf_verl.rewards.reward_model import resolve_reward_sources
 from hf_verl.rollout.base import RolloutEngine
@@ -358,7 +359,7 @@ class Trainer:
             engines = {name: self.roles.engine(name) for name in ("actor", "critic", "reference")}
             if self.dims.is_main:
                 logger.info("hf_verl layout: %s", describe_layout(
-                    {k: v for k, v in engines.items() if hasattr(v, "backend")}, self.engine))
+                    {k: v for k, v in engines.items() if isinstance(v, TrainingEngine)}, self.engine))
             self._layout_logged = True
         if self.dims.replica_size > 1:  # the ranks of one data-parallel replica train on its first rank's rollout
             served = comm.broadcast_replica(self.dims, served)

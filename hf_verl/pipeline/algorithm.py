@@ -35,7 +35,11 @@ from typing import Any
 import torch
 
 from hf_verl.algorithms.policy_losses import PolicyLossParams
-from hf_verl.algorithms.registry import POLICY_LOSSES, advantage_estimator_names, get_advantage_estimator
+from hf_verl.algorithms.registry import (
+    POLICY_LOSSES,
+    advantage_estimator_names,
+    get_advantage_estimator,
+)
 from hf_verl.data.batch import LossInputs, RolloutBatch
 from hf_verl.engine.model_options import router_aux_loss
 from hf_verl.engine.step import LogProbs, PolicyOutput, StepResult

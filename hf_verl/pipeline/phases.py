@@ -19,6 +19,7 @@ from hf_verl.algorithms.policy_losses import entropy_quantile
 from hf_verl.algorithms.registry import get_advantage_estimator
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.base import TrainingEngine
+from hf_verl.engine.parts import ScoringEngine
 from hf_verl.engine.step import LogProbs, SamplingStatistics, Values
 from hf_verl.parallel import comm, watchdog
 from hf_verl.parallel.dims import ParallelDims
@@ -39,7 +40,7 @@ def sampling_statistics(actor: TrainingEngine, batch: RolloutBatch, *, temperatu
                        micro_batch=micro_batch)
 
 
-def reference_logprobs(reference: TrainingEngine | None, actor: TrainingEngine, batch: RolloutBatch, *,
+def reference_logprobs(reference: ScoringEngine | None, actor: TrainingEngine, batch: RolloutBatch, *,
                        temperature: float, chunk_size: int, micro_batch: int,
                        cross: CrossTokenizer | None = None) -> torch.Tensor:
     """`(B, C)` log-probs under the reference: its own engine, else the actor with PEFT adapters off. A reference

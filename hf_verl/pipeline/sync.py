@@ -22,8 +22,8 @@ import time
 
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.parallel import comm, watchdog
-from hf_verl.rollout.base import RolloutEngine
 from hf_verl.parallel.weight_export import DEFAULT_BUCKET_BYTES
+from hf_verl.rollout.base import RolloutEngine
 
 
 def shares_actor_weights(engine: RolloutEngine, actor: TrainingEngine) -> bool:

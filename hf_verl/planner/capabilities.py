@@ -67,7 +67,7 @@ def _megatron_error(import_it: bool) -> str | None:
     """Why the Megatron engine cannot run here, or None: imported for real when `import_it` or already imported by
     a Megatron run, else found on the path only (:func:`megatron_core_found`)."""
     if import_it or "megatron.core" in sys.modules:
-        return _import_error("megatron.core") or _import_error("hf_verl.engine.megatron_engine")
+        return _import_error("megatron.core") or _import_error("hf_verl.engine.megatron")
     return None if megatron_core_found() else "ModuleNotFoundError: No module named 'megatron.core'"
 
 

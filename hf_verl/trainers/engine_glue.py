@@ -334,7 +334,7 @@ class EngineTrainerMixin:
         """The engine options of a role from the Trainer's arguments (mixed precision, micro-batch, clipping,
         checkpointing of trained roles, the rollouts' packing switches)."""
         args = self.args
-        return dict(micro_batch_size=args.per_device_train_batch_size,
+        return dict(seed=args.seed, micro_batch_size=args.per_device_train_batch_size,
                     gradient_accumulation_steps=args.gradient_accumulation_steps, max_grad_norm=args.max_grad_norm,
                     bf16=bool(args.bf16), fp16=bool(args.fp16),
                     gradient_checkpointing=trainable and bool(args.gradient_checkpointing),
