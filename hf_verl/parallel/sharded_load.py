@@ -432,7 +432,9 @@ def zero3_model(model_id: str, ds_config: dict, *, auto_class=None, dtype: torch
     directory = resolve_checkpoint(model_id)
     SafetensorsCheckpoint(directory)
     config = _config(model_id, trust_remote_code, config_kwargs)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype), no_init_weights():
+    # the partitions' dtype is the config's (bf16 / fp16 section, else float32), as in deepspeed.initialize: an explicit
+    # `dtype=` is ignored by DeepSpeed 0.19's zero.Init on a device without fp16 (the CPU), which then picks bf16
+    with deepspeed.zero.Init(config_dict_or_path=ds_config), no_init_weights():
         model = _auto_class(auto_class).from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # no_init_weights skips it; from_pretrained ties after loading
     load_zero3_partitions(model, directory)
@@ -538,7 +540,7 @@ def reference_copy(model: nn.Module, layout: Any, *, bf16: bool = False, fp16: b
     directory, dtype = getattr(model, SOURCE_ATTR)
     config = deepspeed_config(layout.backend, micro_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=None,
                               bf16=bf16, fp16=fp16, trainable=False)
-    with deepspeed.zero.Init(config_dict_or_path=config, dtype=dtype), no_init_weights():
+    with deepspeed.zero.Init(config_dict_or_path=config), no_init_weights():  # the config's dtype (zero3_model)
         out = type(model)._from_config(copy.deepcopy(model.config), dtype=dtype)
     out.tie_weights()
     load_zero3_partitions(out, directory)
