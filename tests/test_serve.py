@@ -212,14 +212,14 @@ def test_grpo_trains_against_the_server(tmp_path, monkeypatch):
         trainer = GRPOTrainer(model=policy, reward_funcs=count_a, args=args, processing_class=tok,
                               train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}))
         trainer.train()
-        # one sync per rollout round (steps 0, 1, 2): the server holds the weights of step 2
-        assert server.engine.weight_version == 3
+        # one sync per rollout round (steps 0, 1, 2), and one when train() ends: the server holds the final weights
+        assert server.engine.weight_version == 4
         logs = [h for h in trainer.state.log_history if "loss" in h]
         assert all("sampling/importance_sampling_ratio/mean" in h and "timing_s/weight_sync" in h for h in logs)
         # same numerics on both sides: the engine/trainer log-prob gap is float noise
         assert all(h["sampling/sampling_logp_difference/max"] < 1e-3 for h in logs)
         assert trainer.state.global_step == 3
-        trainer._sync_engine()  # push step 3: the server model now equals the trained policy
+        trainer._sync_engine()  # nothing left to push: the server already equals the trained policy
         assert server.engine.weight_version == 4
         assert all(torch.equal(v, server_model.state_dict()[k]) for k, v in policy.state_dict().items())
     finally:
@@ -242,8 +242,9 @@ def test_async_grpo_with_the_remote_engine(tmp_path, monkeypatch):
         trainer.train()
         stale = [h["rollout/staleness"] for h in trainer.state.log_history if "rollout/staleness" in h]
         assert stale == [0.0, 1.0, 1.0]
-        # syncs at step 0 (rounds 0 and 1 are generated from it) and at step 1 (round 2); none for step 2
-        assert server.engine.weight_version == 2
+        # syncs at step 0 (rounds 0 and 1 are generated from it), at step 1 (round 2), and the final weights when
+        # train() ends
+        assert server.engine.weight_version == 3
         assert trainer._async_engine is None  # the server holds its own weights: no local copy
     finally:
         server.shutdown()

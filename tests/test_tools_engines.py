@@ -81,7 +81,7 @@ def test_grpo_with_tools_on_the_server_engine(tmp_path, monkeypatch):
         trainer = GRPOTrainer(model=_bigram_llama(tok), reward_funcs=reward, args=args, train_dataset=_dataset(),
                               processing_class=tok, tools=[add])
         trainer.train()
-        assert server.engine.weight_version == 2  # synced before each of the 2 rounds
+        assert server.engine.weight_version == 3  # synced before each of the 2 rounds, and when train() ends
         for completions in seen:
             _tool_turns_are_right(completions)
         logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -93,8 +93,8 @@ def test_trainers_train_with_colocated_vllm(tmp_path, algo):
     r = json.loads((tmp_path / "result.json").read_text())
     steps = 4 if algo == "ppo" else 3
     assert r["engine"] == "VLLMEngine" and r["num_logs"] == steps and r["has_is_metrics"]
-    # re-synced before every rollout after the first (PPO: a rollout feeds 2 mini-batch steps)
-    assert r["weight_version"] == (2 if algo == "ppo" else 3)
+    # re-synced before every rollout after the first (PPO: a rollout feeds 2 mini-batch steps) and when train() ends
+    assert r["weight_version"] == (3 if algo == "ppo" else 4)
     assert r["max_logp_gap"] < 0.05  # the engine's numerics track the trainer's after each sync
     assert r["params_changed"]
     if algo == "grpo-default-limits":  # 512 + 6 > the model's 256 positions: limited, prompts leave room

@@ -33,6 +33,7 @@ def reference_model(tok):
 
 def run(placement: dict, out: str) -> None:
     from hf_verl import Trainer
+    from hf_verl.engine.base import TrainingEngine
     from hf_verl.parallel import comm
     from hf_verl.rewards.remote import is_url
 
@@ -64,7 +65,7 @@ def run(placement: dict, out: str) -> None:
         roles = {}
         for name in ("actor", "critic", "reference"):
             engine = facade.roles.engine(name)
-            if engine is None:  # a served reference
+            if not isinstance(engine, TrainingEngine):  # a served reference
                 continue
             param = next(engine.model.parameters())
             roles[name] = {"backend": engine.backend.label, "param_type": type(param).__name__,
