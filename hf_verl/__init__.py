@@ -23,6 +23,8 @@ _LAZY: dict[str, str] = {
     "GRPOTrainer": "hf_verl.trainers.grpo_trainer",
     "PPOConfig": "hf_verl.trainers.ppo_config",
     "PPOTrainer": "hf_verl.trainers.ppo_trainer",
+    "RLOOConfig": "hf_verl.trainers.rloo_config",
+    "RLOOTrainer": "hf_verl.trainers.rloo_trainer",
     "Trainer": "hf_verl.facade.trainer",
     "RolloutBatch": "hf_verl.data.batch",
     "RolloutEngine": "hf_verl.rollout.base",
@@ -46,6 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
     from hf_verl.trainers.ppo_config import PPOConfig
     from hf_verl.trainers.ppo_trainer import PPOTrainer
+    from hf_verl.trainers.rloo_config import RLOOConfig
+    from hf_verl.trainers.rloo_trainer import RLOOTrainer
 
 
 def __getattr__(name: str) -> Any:

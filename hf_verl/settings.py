@@ -36,8 +36,9 @@ from hf_verl.algorithms.policy_losses import IS_LEVELS
 from hf_verl.algorithms.registry import advantage_estimator_names, resolve_policy_loss
 
 
-FRONT_ENDS = ("grpo", "ppo", "dpo", "facade")
-"""The front-ends that read the schema: `GRPOConfig`, `PPOConfig`, `DPOConfig` and the facade's `TrainerConfig`."""
+FRONT_ENDS = ("grpo", "ppo", "rloo", "dpo", "facade")
+"""The front-ends that read the schema: `GRPOConfig`, `PPOConfig`, `RLOOConfig`, `DPOConfig` and the facade's
+`TrainerConfig`."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ SETTINGS: dict[str, Setting] = {
                                 "Prompts drawn per `rollout()` (per data-parallel rank) when it is called without a "
                                 "batch.", trainers=False),
     "num_generations": Setting(8, (int,), _pos_int, "an int >= 1", "Completions generated per prompt (the group size).",
-                               defaults={"ppo": 1}),
+                               defaults={"ppo": 1, "rloo": 2}),
     "max_completion_length": Setting(512, (int,), _pos_int, "an int >= 1", "Maximum tokens generated per completion.",
                                      defaults={"ppo": 53}, names={"ppo": "response_length"}),
     "max_prompt_length": Setting(512, (int, _NONE), lambda v: v is None or v >= 1, "None or an int >= 1",
@@ -141,7 +142,7 @@ SETTINGS: dict[str, Setting] = {
                                    "'auto' or a registered estimator (hf_verl.algorithms.advantage_estimator_names(): "
                                    "gae, grpo, rloo, ..., or one registered with register_advantage_estimator)",
                                    "Advantage estimator: 'auto' is 'gae' with a critic and 'grpo' without.",
-                                   trainers=False, defaults={"grpo": "grpo", "ppo": "gae"}),
+                                   trainers=False, defaults={"grpo": "grpo", "ppo": "gae", "rloo": "rloo"}),
     "scale_rewards": Setting("group", (str,), lambda v: v in SCALE_REWARDS, f"one of {SCALE_REWARDS}",
                            "GRPO: divide by the group's reward std ('group'), the batch's, or not at all."),
     "gamma": Setting(1.0, (float,), _unit, "a float in [0, 1]", "Discount factor (GAE, REINFORCE++)."),
@@ -156,7 +157,7 @@ SETTINGS: dict[str, Setting] = {
                              "Clip range of the value loss around the rollout's values."),
     "beta": Setting(0.0, (float,), _nonneg, "a finite float >= 0",
                   "Weight of the KL to the reference (a loss term; PPOTrainer: a reward penalty unless use_kl_loss); 0 "
-                  "disables it.", defaults={"ppo": 0.05}, names={"ppo": "kl_coef", "dpo": None}),
+                  "disables it.", defaults={"ppo": 0.05, "rloo": 0.05}, names={"ppo": "kl_coef", "dpo": None}),
     "kl_estimator": Setting("k3", (str,), lambda v: v in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}",
                             "Estimator of the KL loss term (PPOTrainer: kl_loss_estimator; its kl_estimator is TRL's "
                             "reward-penalty estimator).", names={"ppo": "kl_loss_estimator"}),
@@ -166,11 +167,12 @@ SETTINGS: dict[str, Setting] = {
                        f"one of {LOSS_TYPES} or verl's {tuple(VERL_AGGREGATIONS)}",
                        "TRL's loss type: the aggregation of per-token losses and, for cispo / sapo / vespo, the loss "
                        "form (see hf_verl.algorithms.policy_loss); verl's loss_agg_mode names also work.",
-                       defaults={"ppo": "token-mean"}, names={"ppo": "loss_agg_mode", "dpo": None}),
+                       defaults={"ppo": "token-mean", "rloo": "grpo"}, names={"ppo": "loss_agg_mode", "dpo": None}),
     "policy_loss": Setting(None, (str, _NONE), lambda v: v is None or _known_policy_loss(v),
                          "None or a registered policy loss (hf_verl.algorithms.POLICY_LOSSES: clip, vanilla, gspo, "
                          "cispo, sapo, ..., or one registered with register_policy_loss)",
-                         "The loss form by verl's name (vanilla, gspo, cispo, sapo, ...); None: loss_type's."),
+                         "The loss form by verl's name (vanilla, gspo, cispo, sapo, ...); None: loss_type's.",
+                         defaults={"rloo": "sequence_clip"}),
     "importance_sampling_level": Setting("token", (str,), lambda v: v in IS_LEVELS, f"one of {IS_LEVELS}",
                                        "'sequence': one ratio per sequence (GSPO)."),
     "delta": Setting(None, (float, _NONE), lambda v: v is None or v > 1.0, "None or a float > 1",
@@ -274,6 +276,11 @@ DEPARTURES: dict[tuple[str, str], str] = {
     ("learning_rate", "ppo"): "TRL's PPOConfig default",
     ("advantage_estimator", "grpo"): "GRPOTrainer is the critic-free family: GRPO",
     ("advantage_estimator", "ppo"): "PPOTrainer is PPO with a critic: GAE",
+    ("advantage_estimator", "rloo"): "RLOOTrainer is REINFORCE leave-one-out",
+    ("num_generations", "rloo"): "TRL's RLOOConfig default (the smallest leave-one-out group)",
+    ("beta", "rloo"): "TRL's RLOO: a sequence-level k1 reward penalty, on by default",
+    ("loss_type", "rloo"): "TRL's RLOO averages its per-sequence loss over sequences (grpo aggregation)",
+    ("policy_loss", "rloo"): "TRL's RLOO clips the sequence's ratio (the product of its token ratios)",
 }
 """Why a front-end keeps its own default, per (setting, front-end): every entry of a :attr:`Setting.defaults`."""
 

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from hf_verl import DPOConfig, GRPOConfig, PPOConfig
+from hf_verl import DPOConfig, GRPOConfig, PPOConfig, RLOOConfig
 from hf_verl.facade.config import TrainerConfig
 from hf_verl.settings import DEPARTURES, SETTINGS, check_setting
 
-CONFIGS = {"grpo": GRPOConfig, "ppo": PPOConfig, "dpo": DPOConfig}
+CONFIGS = {"grpo": GRPOConfig, "ppo": PPOConfig, "rloo": RLOOConfig, "dpo": DPOConfig}
 
 
 def _carried(cls, front_end):

@@ -144,7 +144,9 @@ def rloo_advantages(
 ) -> torch.Tensor:
     """REINFORCE leave-one-out (Ahmadian et al., 2024, arXiv 2402.14740).
 
-    `A_i = r_i - (sum_{j in group, j != i} r_j) / (G - 1)`. Needs `num_generations >= 2`.
+    `A_i = r_i - (sum_{j in group, j != i} r_j) / (G - 1)`. Needs `num_generations >= 2`. A NaN score (an
+    unscorable completion) is left out of its siblings' baselines (the divisor counts scorable siblings) and gets 0,
+    as does a completion with no scorable sibling.
 
     Returns:
         `(B, T)` broadcast over `mask` (0 on padding), or `(B,)` when `mask` is `None`.
@@ -153,8 +155,11 @@ def rloo_advantages(
     if g < 2:
         raise ValueError("estimator 'rloo' needs num_generations >= 2 (a leave-one-out baseline).")
     grouped = scores.view(-1, g)
-    baseline = (grouped.sum(-1, keepdim=True) - grouped) / (g - 1)
-    return _broadcast((grouped - baseline).reshape(-1), mask)
+    # NaN (an unscorable completion) takes no part in its siblings' baselines and gets advantage 0 (TRL's RLOO); a
+    # group with one scorable completion has no baseline: 0
+    scorable = (~grouped.isnan()).sum(-1, keepdim=True)
+    baseline = (grouped.nansum(-1, keepdim=True) - grouped) / (scorable - 1)
+    return _broadcast(torch.nan_to_num(grouped - baseline, nan=0.0).reshape(-1), mask)
 
 
 def reinforce_pp_advantages(

@@ -15,6 +15,7 @@ Losses (`name`: formula, source):
 - ``clip`` (TRL grpo/bnpo/dr_grpo/dapo/luspo; verl ``vanilla``): `-min(w A, clip(w, 1-eps_low, 1+eps_high) A)`,
   with `w` capped at `delta` first when set (two-sided clipping, TRL) and, for `A < 0`, the loss capped at
   `-dual_clip x A` (dual clip, Ye et al., 2020; verl ``clip_ratio_c``).
+- ``sequence_clip`` (TRL's RLOO): ``clip`` on the sequence's ratio, the product of its token ratios; `(B, 1)`.
 - ``gspo`` (Zheng et al., 2025; verl): ``clip`` on the sequence-level ratio, written per token
   (`log w_t = sg[log w_seq] + logp_t - sg[logp_t]`, equal in value to `w_seq`).
 - ``cispo`` (MiniMax-M1, 2025): `-sg[min(w, eps_high)] A logp` (TRL's `epsilon_high` is the cap itself).
@@ -146,6 +147,18 @@ def gspo_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     seq = log_importance_weights(logp, old_logp, mask, "sequence").detach()
     log_w = (seq + logp - logp.detach()).clamp(max=10.0)
     ratio = torch.exp(log_w)
+    clipped = torch.clamp(ratio, 1.0 - p.clip_low, 1.0 + p.high)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    return loss, _clip_indicators(ratio.detach(), adv, p.clip_low, p.high)
+
+
+@register_policy_loss("sequence_clip", metrics=_CLIP_METRICS)
+def sequence_clip_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
+    """TRL's RLOO loss: PPO-clip on the sequence's ratio `exp(sum_t (logp_t - old_t))` (a product of the token ratios,
+    not GSPO's geometric mean), one loss per sequence, `(B, 1)`; aggregated as a mean over sequences (`grpo`)."""
+    adv = _col(advantages)
+    maskf = mask.to(logp.dtype)
+    ratio = torch.exp(((logp - old_logp) * maskf).sum(-1, keepdim=True))
     clipped = torch.clamp(ratio, 1.0 - p.clip_low, 1.0 + p.high)
     loss = -torch.min(ratio * adv, clipped * adv)
     return loss, _clip_indicators(ratio.detach(), adv, p.clip_low, p.high)
@@ -387,6 +400,7 @@ def bypass_loss(logp, old_logp, advantages, mask, p: PolicyLossParams):
     return (loss if weight is None else loss * weight), {}
 
 
-BUILTIN_POLICY_LOSSES = ("clip", "vanilla", "gspo", "cispo", "cispo_clip", "sapo", "vespo", "gpg", "dppo_tv", "dppo_kl",
+BUILTIN_POLICY_LOSSES = ("clip", "vanilla", "gspo", "sequence_clip", "cispo", "cispo_clip", "sapo", "vespo", "gpg",
+                         "dppo_tv", "dppo_kl",
                          "geo_mean", "dro", "clip_cov", "kl_cov", "bypass_mode")
 """The policy losses hf_verl ships, registered as a user registers one (:func:`register_policy_loss`)."""

@@ -352,8 +352,8 @@ class Algorithm(abc.ABC):
 
 
 def make_algorithm(config: Any, *, critic: bool, **kwargs: Any) -> Algorithm:
-    """The algorithm a config runs: PPO (a critic, a KL penalty, GAE) for a `PPOConfig` or roles with a critic,
-    else the critic-free family.
+    """The algorithm a config runs: the family it names (`RLOOConfig`: TRL's RLOO), PPO (a critic, a KL penalty,
+    GAE) for a `PPOConfig` or roles with a critic, else the critic-free family.
 
     Args:
         config: the front-end's config.
@@ -362,11 +362,13 @@ def make_algorithm(config: Any, *, critic: bool, **kwargs: Any) -> Algorithm:
     """
     from hf_verl.pipeline.critic_free import CriticFreeAlgorithm
     from hf_verl.pipeline.ppo import PPOAlgorithm
+    from hf_verl.pipeline.rloo import RLOOAlgorithm
 
-    if is_ppo_config(config) or critic:
-        return PPOAlgorithm(config, **kwargs)
-    kwargs.pop("eos_token_id", None)
-    return CriticFreeAlgorithm(config, **kwargs)
+    families = {"critic_free": CriticFreeAlgorithm, "ppo": PPOAlgorithm, "rloo": RLOOAlgorithm}
+    family = getattr(config, "_algorithm", None) or ("ppo" if is_ppo_config(config) or critic else "critic_free")
+    if family != "ppo":
+        kwargs.pop("eos_token_id", None)
+    return families[family](config, **kwargs)
 
 
 def is_ppo_config(config: Any) -> bool:
