@@ -14,7 +14,8 @@ from datasets import Dataset
 from hf_verl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossParams
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.parallel.dims import ParallelDims
-from hf_verl.pipeline.algorithm import Roles, make_algorithm
+from hf_verl.pipeline.algorithm import Roles
+from hf_verl.pipeline.families import make_algorithm
 from tests.conftest import build_char_tokenizer
 from tests.test_grpo_trainer import _model, text_reward
 

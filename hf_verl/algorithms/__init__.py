@@ -2,6 +2,7 @@
 name the estimators and losses configs choose from (:mod:`hf_verl.algorithms.registry`):
 :func:`register_advantage_estimator` and :func:`register_policy_loss` add one from a user's own file."""
 
+from hf_verl.algorithms import estimators, policy_losses  # noqa: E402, F401 (the built-ins register on import)
 from hf_verl.algorithms.registry import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,

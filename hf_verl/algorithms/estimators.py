@@ -30,6 +30,7 @@ from hf_verl.algorithms.registry import (
     register_advantage_estimator,
 )
 
+
 def _check_groups(n: int, num_generations: int | None, name: str) -> int:
     if num_generations is None:
         raise ValueError(f"estimator {name!r} needs num_generations (the group size).")

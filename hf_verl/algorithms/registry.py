@@ -2,7 +2,7 @@
 
 Every built-in estimator (:mod:`hf_verl.algorithms.estimators`) and policy loss
 (:mod:`hf_verl.algorithms.policy_losses`) is registered here with the same decorators a user calls from their
-own file, and every front-end (`GRPOConfig`, `PPOConfig`, the facade's `TrainerConfig`) looks names up here, at
+own file (importing :mod:`hf_verl.algorithms` imports them, so the built-ins are there before any lookup), and every front-end (`GRPOConfig`, `PPOConfig`, the facade's `TrainerConfig`) looks names up here, at
 the time the config is built, so a name registered before that is accepted and run:
 
 ```python
@@ -241,7 +241,6 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     Raises:
         ValueError: naming the registered estimators and how to add one.
     """
-    _load_builtins()
     try:
         return ADVANTAGE_ESTIMATORS[name]
     except KeyError:
@@ -255,7 +254,6 @@ def resolve_policy_loss(name: str) -> str:
     Raises:
         ValueError: naming the registered losses and how to add one.
     """
-    _load_builtins()
     name = POLICY_LOSS_ALIASES.get(name, name)
     if name not in POLICY_LOSSES:
         known = sorted(set(POLICY_LOSSES) | set(POLICY_LOSS_ALIASES))
@@ -272,10 +270,4 @@ def get_policy_loss(name: str) -> PolicyLoss:
 def advantage_estimator_names(*, critic: bool | None = None) -> tuple[str, ...]:
     """The registered estimator names; `critic=False`: those that run without a critic, `True`: those that need
     one."""
-    _load_builtins()
     return tuple(n for n, e in ADVANTAGE_ESTIMATORS.items() if critic is None or e.needs_critic == critic)
-
-
-def _load_builtins() -> None:
-    """The built-ins register on import of their modules; a lookup imports them first."""
-    from hf_verl.algorithms import estimators, policy_losses  # noqa: F401

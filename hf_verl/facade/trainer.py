@@ -11,7 +11,7 @@ for batch in loader:
 The facade is a front-end of the same machinery as the TRL-style trainers, not a copy of it: its roles are built
 by the same role builder (:mod:`hf_verl.facade.role_set` over :mod:`hf_verl.pipeline.role_builder`), its rounds
 are scheduled by the same orchestrator (:mod:`hf_verl.pipeline.orchestrator`) and collected by the same collector,
-and its algorithm is the same object (:func:`hf_verl.pipeline.algorithm.make_algorithm`: the critic-free family,
+and its algorithm is the same object (:func:`hf_verl.pipeline.families.make_algorithm`: the critic-free family,
 GRPOTrainer's, without a critic; PPO, PPOTrainer's, with one), so every registered estimator, policy loss and KL
 estimator runs here as in the trainers. It adds only the loop API: roles that load lazily, a validated live
 :class:`~hf_verl.facade.config.TrainerConfig` with the trainers' vocabulary, trace ids and debug records
@@ -51,7 +51,8 @@ from hf_verl.facade.rollout import COLUMN_PREFIX, Rollout
 from hf_verl.facade.rows import DatasetRows, batch_rows
 from hf_verl.parallel import comm, watchdog
 from hf_verl.pipeline import generation
-from hf_verl.pipeline.algorithm import Algorithm, Roles, make_algorithm
+from hf_verl.pipeline.algorithm import Algorithm, Roles
+from hf_verl.pipeline.families import make_algorithm
 from hf_verl.pipeline.orchestrator import END, Round, RoundHost, RoundOrchestrator
 from hf_verl.pipeline.rounds import Collected, RoundCollector
 from hf_verl.pipeline.tool_rollout import ToolRollout, tool_frequencies, tool_metrics

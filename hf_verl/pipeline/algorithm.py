@@ -5,7 +5,7 @@ old log-probs, values and token rewards its family needs), prepares the micro-ba
 normalisers, importance weights, the log-probs the round left to them), runs each trained role's
 `engine.forward_backward` with its loss function, and reports its metrics under stable names. The front-ends only
 decide *when*: `GRPOTrainer` / `PPOTrainer` from `transformers.Trainer`'s accumulation windows, the facade from
-the user's `rollout` / `compute_loss` / `step`; both hold the same object, made by :func:`make_algorithm`.
+the user's `rollout` / `compute_loss` / `step`; both hold the same object, made by :func:`~hf_verl.pipeline.families.make_algorithm`.
 
 Two families ship, each in its own module:
 
@@ -351,32 +351,12 @@ class Algorithm(abc.ABC):
         return out
 
 
-def make_algorithm(config: Any, *, critic: bool, **kwargs: Any) -> Algorithm:
-    """The algorithm a config runs: the family it names (`RLOOConfig`: TRL's RLOO), PPO (a critic, a KL penalty,
-    GAE) for a `PPOConfig` or roles with a critic, else the critic-free family.
-
-    Args:
-        config: the front-end's config.
-        critic (`bool`): whether a critic is trained (a value model was given).
-        kwargs: passed to the algorithm (`reward_names`, `model`, `metrics`, `sampling_temperature`, ...).
-    """
-    from hf_verl.pipeline.critic_free import CriticFreeAlgorithm
-    from hf_verl.pipeline.ppo import PPOAlgorithm
-    from hf_verl.pipeline.rloo import RLOOAlgorithm
-
-    families = {"critic_free": CriticFreeAlgorithm, "ppo": PPOAlgorithm, "rloo": RLOOAlgorithm}
-    family = getattr(config, "_algorithm", None) or ("ppo" if is_ppo_config(config) or critic else "critic_free")
-    if family != "ppo":
-        kwargs.pop("eos_token_id", None)
-    return families[family](config, **kwargs)
+def policy_loss_metric_names(form: str) -> dict[str, str] | None:
+    """stat -> logged name of a registered loss form's own statistics (None: every stat under its own name)."""
+    spec = POLICY_LOSSES.get(form)
+    return None if spec is None else spec.metrics
 
 
 def is_ppo_config(config: Any) -> bool:
     """Whether a config speaks TRL PPO's vocabulary (a `PPOConfig`)."""
     return hasattr(config, "num_ppo_epochs")
-
-
-def policy_loss_metric_names(form: str) -> dict[str, str] | None:
-    """stat -> logged name of a registered loss form's own statistics (None: every stat under its own name)."""
-    spec = POLICY_LOSSES.get(form)
-    return None if spec is None else spec.metrics

@@ -39,7 +39,8 @@ from hf_verl.parallel import comm
 from hf_verl.parallel.precision import amp_dtype
 from hf_verl.parallel.sharded_load import loaded_sharded
 from hf_verl.pipeline import generation
-from hf_verl.pipeline.algorithm import Roles, make_algorithm
+from hf_verl.pipeline.algorithm import Roles
+from hf_verl.pipeline.families import make_algorithm
 from hf_verl.pipeline.orchestrator import END, RoundHost, RoundOrchestrator
 from hf_verl.pipeline.rounds import Collected, RoundCollector
 from hf_verl.pipeline.tool_rollout import (
