@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=None,
                       help="torch CPU threads (default: 1 for the built-in model, so that its figures do not depend on "
                            "the core count; torch's default with --model).")
-    demo.add_argument("--learning-rate", type=float, default=5e-4, help="Constant learning rate of the RL phase.")
+    demo.add_argument("--learning-rate", type=float, default=5e-4,
+                      help="Peak learning rate of the RL phase (a linear rise over the first fifth of the steps, then "
+                           "a linear decay to 0; PPO's policy at half of it, its critic at it).")
     demo.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (group size).")
     demo.add_argument("--prompts-per-step", type=int, default=16, help="Unique prompts per GRPO step.")
     demo.add_argument("--max-completion-length", type=int, default=6, help="Tokens per completion.")

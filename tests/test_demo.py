@@ -1,4 +1,4 @@
-"""The embedded demo, run as a user runs it: RL must lift held-out accuracy by 20+ points; each run gets its own
+"""The embedded demo, run as a user runs it: RL must lift held-out accuracy by 50+ points; each run gets its own
 folder, and its trained model loads with `from_pretrained` and serves with `hf-verl serve`."""
 
 import json
@@ -27,6 +27,14 @@ def test_reverse_reward_is_exact_match():
 
     assert reverse_reward(["abc="] * 3, ["cba", "cba<eos>", "abc"], answer=["cba"] * 3) == [1.0, 1.0, 0.0]
     assert reverse_reward(["abc="], ["cba"]) == [1.0]  # no answer column: the rule itself
+
+
+def test_moving_average_is_a_trailing_mean():
+    from hf_verl.demo.run import moving_average
+
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([2.0, 4.0], 5) == [2.0, 3.0]  # fewer values than the window: the mean so far
+    assert moving_average([], 3) == []
 
 
 def test_unknown_algo_is_refused():
@@ -136,7 +144,7 @@ def test_demo_learns(tmp_path_factory, algo, key):
     run, stdout = demo_run(algo, 0, tmp_path_factory.getbasetemp() / "demo-runs")
     assert "held-out greedy accuracy before RL" in stdout
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.20, summary
+    assert summary["accuracy_after"] - summary["accuracy_before"] >= 0.50, summary
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [x[key] for x in lines if key in x]
     # PPO scores once per rollout (2 epochs x 2 mini-batches = 4 optimizer steps)
