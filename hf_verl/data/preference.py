@@ -1,13 +1,18 @@
-"""Preference data for DPO: prompt extraction, tokenisation, truncation, batching.
+"""Preference data for DPO and reward modelling: prompt extraction, rendering, tokenisation, truncation, batching.
 
 Rows hold `prompt`/`chosen`/`rejected` (explicit prompt) or `chosen`/`rejected` only (implicit
 prompt: their shared prefix is the prompt), as text (standard) or as lists of chat messages
 (conversational). Conversational rows may carry `tools` (a list, or its JSON text) and
-`chat_template_kwargs` (a dict), handed to the chat template row by row, as TRL does. Each row
-becomes `prompt_ids`, `chosen_ids`, `rejected_ids`; a batch of pairs becomes one tensor batch of
-`2B` sequences, chosen rows first, either right-padded or packed without padding (position ids
-restart at each sequence), by :class:`PreferenceCollator` (a plain object, so that dataloader
-workers can receive it).
+`chat_template_kwargs` (a dict), handed to the chat template row by row, as TRL does.
+:func:`render_pair` turns a row into the texts both trainers tokenise (the prompt, and prompt + each
+answer: the chat template's rendering, or the text with an EOS appended).
+
+DPO tokenises each row into `prompt_ids`, `chosen_ids`, `rejected_ids` (:func:`tokenize_pair`); a reward
+model scores whole sequences, so its rows become `chosen_ids` / `rejected_ids` holding prompt and answer
+together (:func:`tokenize_sequences`). A batch of pairs becomes one tensor batch of `2B` sequences, chosen
+rows first, either right-padded or packed without padding (position ids restart at each sequence), by
+:class:`PreferenceCollator` (a plain object, so that dataloader workers can receive it), which also carries
+a reward dataset's per-pair `margin`.
 """
 
 from __future__ import annotations
@@ -26,17 +31,18 @@ logger = logging.getLogger(__name__)
 
 PAIR_COLUMNS = ("chosen", "rejected")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+MARGIN_COLUMN = "margin"  # a reward dataset's per-pair margin (RewardTrainer)
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
-def check_preference_columns(columns: Sequence[str]) -> None:
-    """Raise naming the missing columns and listing those present."""
+def check_preference_columns(columns: Sequence[str], needs: str = "DPO needs 'chosen' and 'rejected' (and "
+                             "optionally 'prompt').") -> None:
+    """Raise naming the missing columns and listing those present; `needs` ends the message (what the trainer
+    reads)."""
     missing = [c for c in PAIR_COLUMNS if c not in columns]
     if missing:
-        raise ValueError(
-            f"preference dataset is missing column(s) {missing}; columns present: {list(columns)}. "
-            "DPO needs 'chosen' and 'rejected' (and optionally 'prompt')."
-        )
+        raise ValueError(f"preference dataset is missing column(s) {missing}; columns present: {list(columns)}. "
+                         f"{needs}")
 
 
 def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
@@ -74,18 +80,35 @@ class TokenizedPair:
     identical: bool = False
 
 
-def tokenize_pair(row: dict, tokenizer, max_length: int | None, truncation_mode: str = "keep_start",
-                  index: int = 0) -> TokenizedPair:
-    """Tokenise one preference row (see the module docstring); raise on empty completions."""
-    if truncation_mode not in TRUNCATION_MODES:
-        raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {truncation_mode!r}.")
+@dataclass
+class RenderedPair:
+    """A preference row as the texts to tokenise: the prompt alone (with the chat template's generation prompt),
+    and prompt + chosen, prompt + rejected (`add_special_tokens`: whether the tokenizer adds its own, as for plain
+    text; a chat template writes them itself)."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    add_special_tokens: bool
+
+
+def render_pair(row: dict, tokenizer, index: int = 0, *, require_answers: bool = True) -> RenderedPair:
+    """Render one preference row (see the module docstring).
+
+    Args:
+        row (`dict`): `chosen` / `rejected`, optionally `prompt`, `tools`, `chat_template_kwargs`.
+        tokenizer: its chat template renders conversational rows; its EOS ends text answers.
+        index (`int`): the row's index, for errors.
+        require_answers (`bool`): refuse an answer that is empty once the prompt is split off (DPO scores the
+            answers' tokens; a reward model scores the whole sequence and accepts it).
+    """
     chosen, rejected = row["chosen"], row["rejected"]
     if "prompt" in row and row["prompt"] is not None:
         prompt = row["prompt"]
     else:
         prompt, chosen, rejected = extract_prompt(chosen, rejected)
     for name, value in (("chosen", chosen), ("rejected", rejected)):
-        if value is None or len(value) == 0 or (isinstance(value, str) and not value.strip()):
+        if value is None or (require_answers and (len(value) == 0 or (isinstance(value, str) and not value.strip()))):
             raise ValueError(f"row {index}: {name!r} is empty; every pair needs a non-empty chosen and rejected.")
     conversational = is_conversational(prompt) if prompt else isinstance(chosen, list)
     if conversational:
@@ -97,18 +120,23 @@ def tokenize_pair(row: dict, tokenizer, max_length: int | None, truncation_mode:
             return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen,
                                                  **template_kwargs)
 
-        prompt_text = render(prompt, True)
-        chosen_full, rejected_full = render(prompt + chosen, False), render(prompt + rejected, False)
-        add_special = False
-    else:
-        eos = tokenizer.eos_token or ""
-        prompt_text = prompt
-        chosen_full = prompt + chosen + ("" if chosen.endswith(eos) else eos)
-        rejected_full = prompt + rejected + ("" if rejected.endswith(eos) else eos)
-        add_special = True
-    p = tokenizer(prompt_text, add_special_tokens=add_special)["input_ids"] if prompt_text else []
-    pc = tokenizer(chosen_full, add_special_tokens=add_special)["input_ids"]
-    pr = tokenizer(rejected_full, add_special_tokens=add_special)["input_ids"]
+        return RenderedPair(render(prompt, True), render(prompt + chosen, False), render(prompt + rejected, False),
+                            add_special_tokens=False)
+    eos = tokenizer.eos_token or ""
+    return RenderedPair(prompt, prompt + chosen + ("" if chosen.endswith(eos) else eos),
+                        prompt + rejected + ("" if rejected.endswith(eos) else eos), add_special_tokens=True)
+
+
+def tokenize_pair(row: dict, tokenizer, max_length: int | None, truncation_mode: str = "keep_start",
+                  index: int = 0) -> TokenizedPair:
+    """Tokenise one preference row for DPO (see the module docstring); raise on empty completions."""
+    if truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(f"truncation_mode must be one of {TRUNCATION_MODES}, got {truncation_mode!r}.")
+    texts = render_pair(row, tokenizer, index)
+    add_special = texts.add_special_tokens
+    p = tokenizer(texts.prompt, add_special_tokens=add_special)["input_ids"] if texts.prompt else []
+    pc = tokenizer(texts.chosen, add_special_tokens=add_special)["input_ids"]
+    pr = tokenizer(texts.rejected, add_special_tokens=add_special)["input_ids"]
     # the completion starts where prompt and prompt+completion tokenisations diverge
     n = min(_common_prefix(p, pc), _common_prefix(p, pr))
     pair = TokenizedPair(list(p[:n]), list(pc[n:]), list(pr[n:]))
@@ -116,6 +144,14 @@ def tokenize_pair(row: dict, tokenizer, max_length: int | None, truncation_mode:
     if max_length is not None:
         pair.truncated = _truncate(pair, max_length, truncation_mode)
     return pair
+
+
+def tokenize_sequences(row: dict, tokenizer, index: int = 0) -> tuple[list[int], list[int]]:
+    """The token ids of prompt + chosen and prompt + rejected, whole (a reward model's two sequences)."""
+    texts = render_pair(row, tokenizer, index, require_answers=False)
+    add_special = texts.add_special_tokens
+    return (list(tokenizer(texts.chosen, add_special_tokens=add_special)["input_ids"]),
+            list(tokenizer(texts.rejected, add_special_tokens=add_special)["input_ids"]))
 
 
 def _truncate(pair: TokenizedPair, max_length: int, mode: str) -> bool:
@@ -172,17 +208,19 @@ def collate_pairs(pairs: Sequence[TokenizedPair], pad_token_id: int, padding_fre
 
 @dataclass
 class PreferenceCollator:
-    """Rows of `prompt_ids` / `chosen_ids` / `rejected_ids` (and, when precomputed, `ref_chosen_logps` /
-    `ref_rejected_logps`) to one batch of :func:`collate_pairs`, the reference log-probs as `(B,)` tensors."""
+    """Rows of `prompt_ids` / `chosen_ids` / `rejected_ids` (a row without `prompt_ids`, a reward model's, is whole
+    sequences: empty prompt) to one batch of :func:`collate_pairs`; the per-row floats that ride along (DPO's
+    precomputed `ref_chosen_logps` / `ref_rejected_logps`, a reward dataset's `margin`) as `(B,)` tensors."""
 
     pad_token_id: int
     padding_free: bool = False
     pad_to_multiple_of: int | None = None
 
     def __call__(self, rows: Sequence[dict]) -> dict:
-        pairs = [TokenizedPair(list(r["prompt_ids"]), list(r["chosen_ids"]), list(r["rejected_ids"])) for r in rows]
+        pairs = [TokenizedPair(list(r.get("prompt_ids") or []), list(r["chosen_ids"]), list(r["rejected_ids"]))
+                 for r in rows]
         batch = collate_pairs(pairs, self.pad_token_id, self.padding_free, self.pad_to_multiple_of)
-        if REF_COLUMNS[0] in rows[0]:
-            for col in REF_COLUMNS:
+        for col in (*REF_COLUMNS, MARGIN_COLUMN):
+            if col in rows[0]:
                 batch[col] = torch.tensor([float(r[col]) for r in rows])
         return batch

@@ -1,5 +1,5 @@
-"""Model-level options the trainers share (TRL's meanings): an LM head kept in float32, and the router
-load-balancing loss of Mixture-of-Experts models.
+"""Model-level options the trainers share (TRL's meanings): an LM head kept in float32, the router
+load-balancing loss of Mixture-of-Experts models, and dropout switched off (`disable_dropout`).
 
 Both work through public extension points only: module hooks for the float32 head (the head's input is
 cast up, a tied embedding's output is cast back down), and the `output_router_logits` flag of the model's
@@ -55,3 +55,13 @@ def router_aux_loss(model: torch.nn.Module, coef: float | None) -> tuple[float, 
                          "returning router logits: there is no auxiliary loss to weight; remove router_aux_loss_coef.")
     value = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else float(coef)
     return value, is_moe and value != 0.0
+
+
+def disable_dropout(*models: torch.nn.Module | None) -> None:
+    """Set the probability of every `torch.nn.Dropout` in `models` to 0 (TRL's `disable_dropout`); None is skipped."""
+    for model in models:
+        if model is None:
+            continue
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import AutoTokenizer, Trainer
 
 from hf_verl.algorithms.dpo_losses import (
@@ -38,12 +37,12 @@ from hf_verl.data.preference import (
 )
 from hf_verl.data.prompts import ensure_pad_token
 from hf_verl.engine.base import TrainingEngine
-from hf_verl.engine.model_options import router_aux_loss
+from hf_verl.engine.model_options import disable_dropout, router_aux_loss
 from hf_verl.engine.step import ForwardRequest, TokenQuery
 from hf_verl.parallel import comm
 from hf_verl.parallel.sharded_load import loaded_sharded, state_sums
 from hf_verl.trainers.dpo_config import DPOConfig
-from hf_verl.trainers.dpo_data import PreferenceData, preference_accuracy  # noqa: F401 (TRL's compute_metrics)
+from hf_verl.trainers.dpo_data import DPOData, preference_accuracy  # noqa: F401 (TRL's compute_metrics)
 from hf_verl.trainers.engine_glue import (
     EngineTrainerMixin,
     launch_layout,
@@ -138,7 +137,7 @@ def _weights_digest(model) -> str:
     return h.hexdigest()[:16]
 
 
-class DPOTrainer(PreferenceData, EngineTrainerMixin, Trainer):
+class DPOTrainer(DPOData, EngineTrainerMixin, Trainer):
     """Train a causal LM on preference pairs with DPO and its variants (TRL's arguments).
 
     Args:
@@ -200,9 +199,7 @@ class DPOTrainer(PreferenceData, EngineTrainerMixin, Trainer):
 
             model = get_peft_model(model, peft_config)
         if args.disable_dropout:
-            for m in list(model.modules()) + (list(ref_model.modules()) if ref_model is not None else []):
-                if isinstance(m, nn.Dropout):
-                    m.p = 0.0
+            disable_dropout(model, ref_model)
         if args.gradient_checkpointing:
             model.config.use_cache = False
         self.is_peft = peft_config is not None or hasattr(model, "disable_adapter")
