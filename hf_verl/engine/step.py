@@ -9,10 +9,11 @@ An optimizer step is two calls on a :class:`~hf_verl.engine.base.TrainingEngine`
 2. ``engine.optimizer_step()``: the global gradient norm, clipping, the optimizer and the LR schedule,
    all owned by the engine, which built them from an :class:`OptimizerSpec`.
 
-What each micro-batch's forward computes is a *request* (:class:`LogProbs`, :class:`Values`, or an
-algorithm's own object with a ``run(engine, micro_batch)`` method built on the engine's forward primitives),
-so that an engine can serve the requests it knows in its own way: a vocabulary-parallel engine answers
-:class:`LogProbs` without gathering the vocabulary, a pipelined one on its last stage only. The loss function
+What each micro-batch's forward computes is a *request* (:class:`LogProbs`, :class:`Values`,
+:class:`SequenceScores`, or an algorithm's own object with a ``run(engine, micro_batch)`` method built on the
+engine's forward primitives), so that an engine can serve the requests it knows in its own way: a
+vocabulary-parallel engine answers :class:`LogProbs` without gathering the vocabulary, a pipelined one on its last
+stage only. The loss function
 sees one micro-batch's forward output and that micro-batch, and returns ``(loss, metrics)``; it must run no
 collective (a pipeline schedule cannot host one): every normaliser or threshold that spans ranks is computed
 before the step and carried on the micro-batch (:class:`~hf_verl.data.batch.LossInputs`).
@@ -100,6 +101,34 @@ class Values:
 
     def run(self, engine: Any, micro_batch: Any) -> torch.Tensor:
         return engine.values(micro_batch)
+
+
+def score_positions(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """`(B, T)` bool: the one position per row where a transformers sequence classifier reads its score, the
+    rightmost token that is not `pad_token_id` (its `forward`'s rule, so that a score computed here equals the saved
+    model's own; the last position when the model has no pad token)."""
+    select = torch.zeros_like(input_ids, dtype=torch.bool)
+    if pad_token_id is None:
+        select[:, -1] = True
+        return select
+    positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    last = (positions * (input_ids != pad_token_id)).argmax(-1)
+    select[torch.arange(input_ids.shape[0], device=input_ids.device), last] = True
+    return select
+
+
+@dataclass(frozen=True)
+class SequenceScores:
+    """A sequence classifier's (a reward model's) `(B,)` one-label scores of a padded batch's rows
+    (`input_ids`, `attention_mask`), each read at :func:`score_positions` through the engine's value-head
+    primitive (:meth:`~hf_verl.engine.parts.scoring.ModelScoring.token_values`)."""
+
+    pad_token_id: int | None = None
+
+    def run(self, engine: Any, micro_batch: Any) -> torch.Tensor:
+        input_ids = micro_batch["input_ids"]
+        select = score_positions(input_ids, self.pad_token_id)
+        return engine.token_values(input_ids, select, attention_mask=micro_batch.get("attention_mask"))
 
 
 @dataclass
