@@ -25,6 +25,8 @@ _LAZY: dict[str, str] = {
     "PPOTrainer": "hf_verl.trainers.ppo_trainer",
     "RLOOConfig": "hf_verl.trainers.rloo_config",
     "RLOOTrainer": "hf_verl.trainers.rloo_trainer",
+    "RewardConfig": "hf_verl.trainers.reward_config",
+    "RewardTrainer": "hf_verl.trainers.reward_trainer",
     "Trainer": "hf_verl.facade.trainer",
     "RolloutBatch": "hf_verl.data.batch",
     "RolloutEngine": "hf_verl.rollout.base",
@@ -48,6 +50,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
     from hf_verl.trainers.ppo_config import PPOConfig
     from hf_verl.trainers.ppo_trainer import PPOTrainer
+    from hf_verl.trainers.reward_config import RewardConfig
+    from hf_verl.trainers.reward_trainer import RewardTrainer
     from hf_verl.trainers.rloo_config import RLOOConfig
     from hf_verl.trainers.rloo_trainer import RLOOTrainer
 

@@ -1,6 +1,6 @@
-"""Walk TRL's GRPOConfig and DPOConfig field lists: every field exists in ours with TRL's default, and is either
-read by the library (outside the line that declares it) or refused with a message when set. A new TRL field, a
-changed default or a field that is accepted and ignored fails here."""
+"""Walk TRL's GRPOConfig, DPOConfig and RewardConfig field lists: every field exists in ours with TRL's default, and
+is either read by the library (outside the line that declares it) or refused with a message when set. A new TRL
+field, a changed default or a field that is accepted and ignored fails here."""
 
 import dataclasses
 import pathlib
@@ -12,7 +12,7 @@ trl = pytest.importorskip("trl")
 
 from transformers import TrainingArguments  # noqa: E402
 
-from hf_verl import DPOConfig, GRPOConfig  # noqa: E402
+from hf_verl import DPOConfig, GRPOConfig, RewardConfig  # noqa: E402
 
 BASE = {f.name for f in dataclasses.fields(TrainingArguments)}
 # where hf_verl's default differs from TRL's on purpose (documented in docs/coming_from_trl.md)
@@ -27,6 +27,7 @@ REFUSED = {
         "transformers_continuous_batching_config": ({"max_batch_tokens": 8}, "not support"),
     },
     DPOConfig: {},
+    RewardConfig: {},
 }
 # read in TRL only for inputs hf_verl refuses (images): refusing those inputs is tested in test_grpo_options
 INPUT_ONLY = {"log_multimodal"}
@@ -55,10 +56,11 @@ def _source_without_declarations() -> str:
     return "\n".join(lines)
 
 
-PAIRS = [(trl.GRPOConfig, GRPOConfig), (trl.DPOConfig, DPOConfig)]
+PAIRS = [(trl.GRPOConfig, GRPOConfig), (trl.DPOConfig, DPOConfig), (trl.RewardConfig, RewardConfig)]
+PAIR_IDS = ["GRPOConfig", "DPOConfig", "RewardConfig"]
 
 
-@pytest.mark.parametrize("theirs,ours", PAIRS, ids=["GRPOConfig", "DPOConfig"])
+@pytest.mark.parametrize("theirs,ours", PAIRS, ids=PAIR_IDS)
 def test_every_trl_field_exists_with_trls_default(theirs, ours):
     mine = {f.name: f for f in dataclasses.fields(ours)}
     missing = [f.name for f in _trl_fields(theirs) if f.name not in mine]
@@ -68,7 +70,7 @@ def test_every_trl_field_exists_with_trls_default(theirs, ours):
     assert not wrong, f"defaults differing from TRL's (theirs, ours): {wrong}"
 
 
-@pytest.mark.parametrize("theirs,ours", PAIRS, ids=["GRPOConfig", "DPOConfig"])
+@pytest.mark.parametrize("theirs,ours", PAIRS, ids=PAIR_IDS)
 def test_every_trl_field_is_read_or_refused(theirs, ours):
     source = _source_without_declarations()
     unused = [f.name for f in _trl_fields(theirs)
@@ -85,7 +87,7 @@ def test_refused_fields_say_why(tmp_path, cls, name):
         cls(output_dir=str(tmp_path), **{name: value})
 
 
-@pytest.mark.parametrize("name", ["GRPOConfig", "PPOConfig", "DPOConfig"])
+@pytest.mark.parametrize("name", ["GRPOConfig", "PPOConfig", "DPOConfig", "RewardConfig"])
 def test_output_dir_is_the_first_positional_field(name):
     """TRL's trainers (and users) build `XConfig("<model>-XX")`: output_dir must stay the first field, ahead of any
     field a mixin adds (a mixin placed before TrainingArguments' fields once took the name as `backend`)."""
