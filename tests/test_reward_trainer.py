@@ -155,6 +155,29 @@ def test_pretokenized_and_legacy_columns_and_the_length_filter(tmp_path, caplog)
     assert stream.state.global_step == 3
 
 
+def test_chat_template_path_takes_a_jinja_file_or_another_tokenizers_template(tmp_path):
+    from tests.conftest import CHAT_TEMPLATE, build_hermes_tokenizer
+
+    tok = build_char_tokenizer()
+    user = [{"role": "user", "content": "ab="}]
+    rows = Dataset.from_dict({"prompt": [user] * 4, "chosen": [[{"role": "assistant", "content": "ba"}]] * 4,
+                              "rejected": [[{"role": "assistant", "content": "ab"}]] * 4})
+    (tmp_path / "t.jinja").write_text(CHAT_TEMPLATE.replace("<assistant>{% endif %}", "<assistant>!{% endif %}"))
+    RewardTrainer(model=_reward_model(tok), args=_args(tmp_path, chat_template_path=str(tmp_path / "t.jinja")),
+                  train_dataset=rows, processing_class=tok)
+    assert tok.chat_template.endswith("<assistant>!{% endif %}")
+    source = build_hermes_tokenizer()
+    source.save_pretrained(tmp_path / "hermes")
+    tok, model = build_char_tokenizer(), _reward_model(tok)
+    size = len(tok)
+    trainer = RewardTrainer(model=model, args=_args(tmp_path, chat_template_path=str(tmp_path / "hermes")),
+                            train_dataset=rows, processing_class=tok)
+    assert tok.chat_template == source.chat_template and tok.eos_token == "<|im_end|>"
+    assert len(tok) == size + 2 and model.get_input_embeddings().num_embeddings == len(tok)
+    assert trainer.train_dataset[0]["chosen_ids"][-2] == tok.convert_tokens_to_ids("<|im_end|>")
+    trainer.train()
+
+
 # ------------------------------------------------------------------------------------------------ training
 def test_training_lifts_pairwise_accuracy_and_changes_every_parameter(tmp_path):
     tok = build_char_tokenizer()
