@@ -1,6 +1,7 @@
-"""Run TRL's own GRPO / DPO test files against TRL and against hf_verl, with only the import line changed.
+"""Run TRL's own GRPO / DPO / RLOO / reward-model test files against TRL and against hf_verl, with only the import
+line changed.
 
-    .venv/bin/python tests/trl_suite/run.py --suite dpo|grpo|rloo [-k EXPR] [--target both|trl|hf_verl]
+    .venv/bin/python tests/trl_suite/run.py --suite dpo|grpo|rloo|reward [-k EXPR] [--target both|trl|hf_verl]
 
 Steps: (1) take `tests/test_<suite>_trainer.py`, `testing_utils.py`, `testing_constants.py`, `conftest.py`
 (and `tests/data/`) from a TRL source (a git directory or a checkout: `--trl-src`, default `$TRL_SRC` or the
@@ -38,7 +39,8 @@ from hub_fixtures import build_hub, offline_env  # noqa: E402
 
 DEFAULT_TRL_SRC = "/work/.mirror/huggingface+trl/repo"
 SUPPORT_FILES = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py"]
-HF_VERL_NAMES = {"GRPOConfig", "GRPOTrainer", "DPOConfig", "DPOTrainer", "RLOOConfig", "RLOOTrainer"}
+HF_VERL_NAMES = {"GRPOConfig", "GRPOTrainer", "DPOConfig", "DPOTrainer", "RLOOConfig", "RLOOTrainer", "RewardConfig",
+                 "RewardTrainer"}
 PYTEST_INI = """[pytest]
 markers =
     slow: slow
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     import importlib.metadata
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", choices=["dpo", "grpo", "rloo"], required=True)
+    parser.add_argument("--suite", choices=["dpo", "grpo", "rloo", "reward"], required=True)
     parser.add_argument("-k", dest="keyword", help="pytest -k expression (a subset of the tests)")
     parser.add_argument("--target", choices=["both", "trl", "hf_verl"], default="both",
                         help="hf_verl: reuse the TRL side stored in --out by an earlier run")
