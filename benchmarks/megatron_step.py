@@ -13,9 +13,12 @@ Layouts (the same global batch in each):
   mcore-pp2  two processes, pipeline parallel (two micro-batches, 1F1B)
   ddp2       two processes, the accelerate engine under DDP (each rank half of the rows)
 
+With `--device cuda` (benchmarks/gpu_check.py: plain and mcore-tp1 on one GPU) the model starts on the GPU, the
+step's time ends at a `torch.cuda.synchronize()`, and `peak_gpu_mib` is `torch.cuda.max_memory_allocated`.
+
 Usage:
   python benchmarks/megatron_step.py [--hidden 512 --layers 8] [--rows 8 --prompt 32 --completion 224]
-      [--layouts plain,mcore-tp1,mcore-tp2,mcore-pp2,ddp2] [--repeats 3]
+      [--layouts plain,mcore-tp1,mcore-tp2,mcore-pp2,ddp2] [--repeats 3] [--device cpu|cuda]
 Measure on a quiet machine only (two CPU-heavy processes slow each other down many times over on 2 cores).
 """
 
@@ -64,7 +67,7 @@ def child(a: argparse.Namespace) -> None:
     from hf_verl.parallel.dims import ParallelDims
     from hf_verl.parallel.megatron.launch import ensure_process_group
 
-    procs, megatron = LAYOUTS[a.layout]
+    _, megatron = LAYOUTS[a.layout]
     ensure_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
@@ -72,20 +75,21 @@ def child(a: argparse.Namespace) -> None:
     batch = RolloutBatch(prompt_ids=torch.randint(1, a.vocab, (rows, a.prompt), generator=g),
                          prompt_mask=torch.ones(rows, a.prompt, dtype=torch.long),
                          completion_ids=torch.randint(1, a.vocab, (rows, a.completion), generator=g),
-                         completion_mask=torch.ones(rows, a.completion, dtype=torch.long))
-    model = _model(a.hidden, a.layers, a.vocab)
+                         completion_mask=torch.ones(rows, a.completion, dtype=torch.long)).to(a.device)
+    model = _model(a.hidden, a.layers, a.vocab).to(a.device)
     params = sum(p.numel() for p in model.parameters())
     if megatron is None:
-        dims = ParallelDims.data_parallel(world, rank, shard=False)
+        dims = ParallelDims.data_parallel(world, rank, shard=False, device_type=a.device)
         layout = RoleLayout(BackendSpec("ddp" if world > 1 else "plain"), dims)
     else:
         from hf_verl.parallel.megatron.launch import MEGATRON_BACKEND
 
-        dims = ParallelDims.data_parallel(world, rank, shard=False, tp=megatron[0], pp=megatron[1])
+        dims = ParallelDims.data_parallel(world, rank, shard=False, device_type=a.device, tp=megatron[0],
+                                          pp=megatron[1])
         layout = RoleLayout(MEGATRON_BACKEND, dims, engine="megatron")
     from accelerate import Accelerator
 
-    engine = make_engine(model, "actor", layout, accelerator=Accelerator(cpu=True), trainable=True,
+    engine = make_engine(model, "actor", layout, accelerator=Accelerator(cpu=a.device == "cpu"), trainable=True,
                          micro_batch_size=rows, max_grad_norm=1.0)
     del model
     engine.configure_optimizer(OptimizerSpec(torch.optim.AdamW, {"lr": 1e-5}, max_grad_norm=1.0))
@@ -103,6 +107,8 @@ def child(a: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         engine.forward_backward(micro, loss_fn, forward=request)
         engine.optimizer_step()
+        if a.device == "cuda":
+            torch.cuda.synchronize()
         dist.barrier()
         if i:
             times.append(time.perf_counter() - t0)
@@ -113,9 +119,10 @@ def child(a: argparse.Namespace) -> None:
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
+        gpu_peak = torch.cuda.max_memory_allocated() / 2**20 if a.device == "cuda" else None
         print(json.dumps({"layout": a.layout, "world": world, "params": params, "exported": exported,
-                          "step_s": statistics.median(times), "export_s": export_s, "peak_rss_mib": peak.item()}),
-              flush=True)
+                          "step_s": statistics.median(times), "export_s": export_s, "peak_rss_mib": peak.item(),
+                          "peak_gpu_mib": gpu_peak}), flush=True)
 
 
 def _free_port() -> int:
@@ -130,14 +137,17 @@ def run(a: argparse.Namespace, layout: str) -> dict:
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
                                str(_free_port())] if procs > 1 else []) + [__file__, "--child", f"--layout={layout}", *args]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // procs)),
-               ACCELERATE_USE_CPU="1", TMPDIR=tempfile.gettempdir())
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+               TMPDIR=tempfile.gettempdir())
+    if a.device == "cpu":
+        env["ACCELERATE_USE_CPU"] = "1"
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode:
         raise RuntimeError(f"{layout} failed:\n{proc.stderr[-3000:]}")
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """This script's options (also how benchmarks/gpu_check.py sets up a run)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
@@ -147,9 +157,14 @@ def main() -> None:
     p.add_argument("--completion", type=int, default=224)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one-process layouts on the GPU")
     p.add_argument("--child", action="store_true")
     p.add_argument("--layout", default="plain")
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     if a.child:
         child(a)
         return

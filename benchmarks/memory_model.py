@@ -8,6 +8,10 @@ where the configuration has one. Each rank reports its peak RSS (`ru_maxrss`); t
 rank with `hf_verl.planner.estimate_memory`'s prediction for the same model, layout and batch (computed from the
 model's config in the parent process, before any run: the prediction never sees a measurement).
 
+`CHECK_CONFIGS` are the ones benchmarks/gpu_check.py runs on one process (`--device cuda`: the model on the GPU,
+bf16 autocast, peak `torch.cuda.max_memory_allocated`), each compared with `hf_verl.planner.estimate_memory` of a
+GRPOConfig asking for the same step (:func:`estimate`).
+
 Usage:
   python benchmarks/memory_model.py                 # every configuration, the table of docs/planner.md
   python benchmarks/memory_model.py --only plain-s-256,ddp2-s-256
@@ -33,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 # model name -> (hidden, layers, heads, kv heads, intermediate, vocab)
 MODELS = {"xs": (64, 2, 4, 2, 128, 1000), "t": (256, 4, 4, 2, 688, 8000), "s": (512, 8, 8, 4, 1376, 16000),
-          "m": (768, 10, 12, 4, 2048, 16000)}
+          "m": (768, 10, 12, 4, 2048, 16000), "q05": (896, 24, 14, 2, 4864, 151_936)}  # q05: Qwen2.5-0.5B's shape
 # name -> (model, layout kind, seq_len, rows per micro-batch, options)
 CONFIGS = {
     "plain-t-128": ("t", "plain", 128, 4, {}),
@@ -51,7 +55,22 @@ CONFIGS = {
     "tp2-s-256": ("s", "tp2", 256, 4, {}),
     "pp2-s-256": ("s", "pp2", 256, 4, {}),
 }
+# benchmarks/gpu_check.py: three one-process layouts the planner models (plain, activation checkpointing, a frozen
+# reference beside the actor), on a 0.5B shape for one GPU and on the "t" model for its CPU mode
+CHECK_CONFIGS = {
+    "gpu-q05-512": ("q05", "plain", 512, 4, {}),
+    "gpu-q05-1024-ckpt": ("q05", "plain", 1024, 4, {"ckpt": True}),
+    "gpu-q05-512-ref": ("q05", "plain", 512, 4, {"reference": True}),
+    "cpu-t-128": ("t", "plain", 128, 4, {}),
+    "cpu-t-256-ckpt": ("t", "plain", 256, 4, {"ckpt": True}),
+    "cpu-t-128-ref": ("t", "plain", 128, 4, {"reference": True}),
+}
 PROMPT = 32
+
+
+def _spec(name: str):
+    """(model, layout kind, seq_len, rows, options) of a configuration of CONFIGS or CHECK_CONFIGS."""
+    return {**CONFIGS, **CHECK_CONFIGS}[name]
 
 
 def _config(model: str):
@@ -90,7 +109,7 @@ def _layout(kind: str, world: int, rank: int, ckpt: bool = False, rows: int = 1)
 
 
 def child(a: argparse.Namespace) -> None:
-    """One rank: build, lay out, run the steps, print this rank's peak RSS as JSON."""
+    """One rank: build, lay out, run the steps, print this rank's peak as JSON (RSS; on a GPU, the allocator's)."""
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -100,8 +119,11 @@ def child(a: argparse.Namespace) -> None:
     from hf_verl.engine.registry import make_engine
     from hf_verl.engine.step import LogProbs, OptimizerSpec
 
-    model_name, kind, seq, rows, opts = CONFIGS[a.config] if not a.baseline else ("xs", a.config, 64, 2, {})
+    model_name, kind, seq, rows, opts = _spec(a.config) if not a.baseline else ("xs", a.config, 64, 2, {})
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    gpu = a.device == "cuda"
+    if gpu and kind != "plain":
+        raise SystemExit(f"--device cuda runs the one-process layout (plain) only, not {kind}")
     if world > 1:
         if kind in ("tp2", "pp2"):
             from hf_verl.parallel.megatron.launch import ensure_process_group
@@ -113,20 +135,21 @@ def child(a: argparse.Namespace) -> None:
     layout, _ = _layout(kind, world, rank, opts.get("ckpt", False), rows)
     torch.manual_seed(0)
     config = _config(model_name)
-    model = LlamaForCausalLM(config)
-    reference = LlamaForCausalLM(config).requires_grad_(False) if opts.get("reference") else None
+    with torch.device(a.device):
+        model = LlamaForCausalLM(config)
+        reference = LlamaForCausalLM(config).requires_grad_(False) if opts.get("reference") else None
     local_rows = rows // layout.dims.dp_size
     g = torch.Generator().manual_seed(1)
     completion = seq - PROMPT
     batch = RolloutBatch(prompt_ids=torch.randint(1, config.vocab_size, (local_rows, PROMPT), generator=g),
                          prompt_mask=torch.ones(local_rows, PROMPT, dtype=torch.long),
                          completion_ids=torch.randint(1, config.vocab_size, (local_rows, completion), generator=g),
-                         completion_mask=torch.ones(local_rows, completion, dtype=torch.long))
-    accelerator = Accelerator(cpu=True)
+                         completion_mask=torch.ones(local_rows, completion, dtype=torch.long)).to(a.device)
+    accelerator = Accelerator(cpu=not gpu)
     engine = make_engine(model, "actor", layout, accelerator=accelerator, trainable=True, micro_batch_size=local_rows,
-                         max_grad_norm=1.0, gradient_checkpointing=opts.get("ckpt", False))
+                         max_grad_norm=1.0, gradient_checkpointing=opts.get("ckpt", False), bf16=gpu)
     ref_engine = None if reference is None else make_engine(reference, "reference", layout, accelerator=accelerator,
-                                                            trainable=False, micro_batch_size=local_rows)
+                                                            trainable=False, micro_batch_size=local_rows, bf16=gpu)
     del model, reference
     engine.configure_optimizer(OptimizerSpec(torch.optim.AdamW, {"lr": 1e-5}, max_grad_norm=1.0))
     pp = layout.dims.pp
@@ -143,8 +166,9 @@ def child(a: argparse.Namespace) -> None:
             ref_engine.infer(batch, LogProbs(chunk_size=1024))
         engine.forward_backward(micro, loss_fn, forward=request)
         engine.optimizer_step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"rank": rank, "peak": peak, "params": sum(p.numel() for p in engine.model.parameters())}),
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated() if gpu else rss  # on a GPU, what the caching allocator handed out
+    print(json.dumps({"rank": rank, "peak": peak, "rss": rss, "params": sum(p.numel() for p in engine.model.parameters())}),
           flush=True)
     if world > 1:
         dist.barrier()
@@ -156,17 +180,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(name: str, steps: int, baseline: bool = False) -> list[int]:
+def measure(name: str, steps: int, baseline: bool = False, device: str = "cpu") -> list[int]:
     """Peak RSS of each rank of configuration `name` (bytes); with `baseline`, `name` is a layout kind run on the
-    0.1M-parameter model."""
-    kind = name if baseline else CONFIGS[name][1]
+    0.1M-parameter model. With `device="cuda"` (one-process layouts): the peak of `torch.cuda.max_memory_allocated`."""
+    kind = name if baseline else _spec(name)[1]
     procs = 1 if kind == "plain" else 2
-    args = [__file__, "--child", f"--config={name}", f"--steps={steps}"] + (["--baseline"] if baseline else [])
+    args = [__file__, "--child", f"--config={name}", f"--steps={steps}", f"--device={device}"] + (
+        ["--baseline"] if baseline else [])
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                                str(_free_port())] if procs > 1 else []) + args
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1", DS_ACCELERATOR="cpu",
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                TMPDIR=tempfile.gettempdir(), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if device == "cpu":
+        env["ACCELERATE_USE_CPU"] = "1"
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     return [json.loads(line)["peak"] for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -189,6 +216,25 @@ def predict(name: str):
     return arch, layout, est
 
 
+def estimate(name: str, device: str = "cpu"):
+    """`hf_verl.planner.estimate_memory` for one-process configuration `name`: its model config, and a GRPOConfig
+    asking for the child's step (rows = `per_device_train_batch_size`, a `PROMPT`-token prompt and the rest of
+    `seq_len` completion, checkpointing, a reference through `beta > 0`; bf16 on a GPU, as the child runs)."""
+    from hf_verl import GRPOConfig
+    from hf_verl.planner import Layout, estimate_memory
+
+    model_name, kind, seq, rows, opts = _spec(name)
+    if kind != "plain":
+        raise ValueError(f"estimate() takes one-process configurations, not {kind}")
+    gpu, ckpt = device == "cuda", opts.get("ckpt", False)
+    args = GRPOConfig(output_dir=tempfile.gettempdir(), use_cpu=not gpu, bf16=gpu, report_to=[],
+                      per_device_train_batch_size=rows, num_generations=rows, max_prompt_length=PROMPT,
+                      max_completion_length=seq - PROMPT, gradient_checkpointing=ckpt,
+                      beta=0.04 if opts.get("reference") else 0.0)
+    return estimate_memory(_config(model_name), args, Layout(activation_checkpointing=ckpt, micro_batch_size=rows),
+                           device=device)
+
+
 def _layout_for_prediction(kind, world, ckpt, rows):
     from hf_verl.planner import Layout
 
@@ -209,6 +255,7 @@ def main() -> None:
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--child", action="store_true")
     p.add_argument("--config", default="plain-t-128")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the child runs (cuda: plain only)")
     a = p.parse_args()
     if a.child:
         child(a)

@@ -34,7 +34,8 @@ counter reset the same way through ``/proc/<pid>/clear_refs``). Seconds are the 
 memory is the largest of the repeats. One-off imports (safetensors, DTensor, peft) happen before
 the timed region, and one untimed bucketed sync runs first (steady state: a freshly loaded server
 only faults its file-mapped weights in when the first update writes them).
-Runs of the (target, path) pairs are interleaved.
+Runs of the (target, path) pairs are interleaved. benchmarks/gpu_check.py runs one child with ``"device": "cuda"``
+(the trainer's policy on the GPU, CUDA vLLM; the timer stops after a ``torch.cuda.synchronize()``).
 
 Usage: python benchmarks/weight_sync.py [--sizes 10m,100m,500m] [--bucket-mib 256] [--repeats 2]
                                         [--targets engine,vllm,server] [--vllm-memory 0.25]
@@ -129,22 +130,25 @@ def start_server(model_dir: str):
 def child(spec: dict) -> dict:
     import torch
 
+    from hf_verl.parallel.weight_export import iter_weight_buckets
     from hf_verl.rollout.hf_engine import TransformersEngine
     from hf_verl.rollout.remote import RemoteEngine
-    from hf_verl.parallel.weight_export import iter_weight_buckets
     from tests.conftest import build_char_tokenizer
 
     torch.set_num_threads(2)
     size, target, path, bucket_bytes = spec["size"], spec["target"], spec["path"], spec["bucket_bytes"]
-    model = build_model(size, seed=1)  # the trainer's policy
+    device = spec.get("device", "cpu")  # "cuda" (benchmarks/gpu_check.py): the trainer's policy on the GPU
+    model = build_model(size, seed=1).to(device)  # the trainer's policy
     server = engine = None
     if target == "engine":
         engine = TransformersEngine(build_model(size, seed=0), build_char_tokenizer())
     elif target == "vllm":
         from hf_verl.rollout.vllm_engine import VLLMEngine
 
+        # "enforce_eager": True skips CUDA vLLM's compile and graph capture, which a sync's time does not depend on
         engine = VLLMEngine.from_model(build_model(size, seed=0), build_char_tokenizer(), dtype="float32",
-                                       max_model_len=128, gpu_memory_utilization=spec["vllm_memory"])
+                                       max_model_len=128, gpu_memory_utilization=spec["vllm_memory"],
+                                       enforce_eager=spec.get("enforce_eager"))
     else:
         server, url = start_server(spec["model_dir"])
         remote = RemoteEngine(url, token=TOKEN, bucket_bytes=bucket_bytes if path == "bucketed" else 1,
@@ -152,7 +156,7 @@ def child(spec: dict) -> dict:
     # one-off imports the first sync would otherwise pay inside the timed region (DTensor check, peft probe,
     # safetensors) are done here: the figures are for a steady-state sync after an optimizer step
     import safetensors.torch  # noqa: F401
-    import torch.distributed.tensor  # noqa: F401
+    import torch.distributed.tensor
     try:
         import peft  # noqa: F401
     except ImportError:
@@ -182,9 +186,12 @@ def child(spec: dict) -> dict:
             sink = engine or remote
             for name, tensor in model.state_dict().items():
                 sink.sync_weights([(name, tensor)])
+        if torch.cuda.is_available():  # the copies into the engine's weights are queued on the GPU
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out = {"seconds": seconds, "trainer_extra_mib": (peak_kib - base_kib) / 1024, "peak_reset": ok}
+        out = {"seconds": seconds, "trainer_extra_mib": (peak_kib - base_kib) / 1024, "peak_reset": ok,
+               "bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
         if server is not None:
             out["server_extra_mib"] = (status_kib(server.pid, "VmHWM") - srv_base_kib) / 1024
             out["server_peak_reset"] = srv_ok
@@ -214,7 +221,8 @@ def vllm_matches_hf(engine, model) -> bool:
     want = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=4, do_sample=False, min_new_tokens=4)
+            ids = model.generate(torch.tensor([p], device=model.device), max_new_tokens=4, do_sample=False,
+                                 min_new_tokens=4)
             want.append(ids[0, len(p):].tolist())
     return [g[:4] for g in got] == want
 
@@ -230,7 +238,7 @@ def wait_quiet(limit_s: float = 300.0) -> float:
 
 def run_child(spec: dict) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], cwd=ROOT, capture_output=True,
-                          text=True)
+                          text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"child {spec} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
