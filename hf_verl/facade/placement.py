@@ -52,7 +52,7 @@ def placement_report(roles: Any, reward_funcs: list, generator: Any) -> list[str
                                         roles.sharded_rewards else "sharded with the actor", "n/a"))
         else:
             lines.append(placement_line(label, "callable", ranks, "python", "n/a"))
-    url = getattr(generator, "base_url", None)
+    url = ", ".join(getattr(generator, "urls", ())) or getattr(generator, "base_url", None)
     lines.append(placement_line("generator", type(generator).__name__, url or ranks,
                                 "remote" if url else "colocated", "n/a" if url else "shares the actor's"))
     return lines

@@ -12,7 +12,8 @@
 - `"critic"`: the same choices (e.g. an FSDP2 critic beside a DDP actor);
 - `"generator"`: `"colocated"` (default: a rollout engine on the actor's weights) or the URL of any
   `/v1/completions` server (`hf-verl serve`, `vllm serve`): a :class:`~hf_verl.rollout.remote.RemoteEngine`,
-  whose weight updates carry the `HF_VERL_SERVE_TOKEN` token;
+  whose weight updates carry the `HF_VERL_SERVE_TOKEN` token; or a list of `hf-verl serve` URLs: a
+  :class:`~hf_verl.rollout.fleet.FleetEngine` over them (a one-URL list is that URL);
 - the reward model is declared by the reward argument itself: a callable, a local model (id, path or object), or
   a URL (:class:`~hf_verl.rewards.remote.RemoteRewardModel`).
 
@@ -44,7 +45,8 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool 
                     world_size: int, engines: tuple[str, ...], roles: tuple[str, ...] = ("reference", "critic",
                                                                                          "generator"),
                     arguments: Mapping[str, str] = FACADE_ARGUMENTS, owner: str = "placement") -> dict[str, str]:
-    """The validated placement (every declarable role filled in, "colocated" by default).
+    """The validated placement (every declarable role filled in, "colocated" by default; a generator fleet as a
+    tuple of URLs).
 
     Args:
         placement: `{role: choice}` as the module docstring lists.
@@ -75,12 +77,15 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool 
         if role not in roles and choice != COLOCATED:
             raise ValueError(f"{owner}[{role!r}]: this trainer has no {role} role to place (it places "
                              f"{', '.join(roles)}); drop {role!r} from placement.")
+        if role == "generator" and isinstance(choice, (list, tuple)):
+            out[role] = _fleet(choice, owner)
+            continue
         if not isinstance(choice, str):
             raise ValueError(f"{owner}[{role!r}] must be a string, got {type(choice).__name__}.")
         if role == "generator":
             if choice != COLOCATED and not is_url(choice):
                 raise ValueError(f"{owner}['generator'] = {choice!r}: use 'colocated' or the URL of a "
-                                 "/v1/completions server, e.g. 'http://127.0.0.1:8000'.")
+                                 "/v1/completions server, e.g. 'http://127.0.0.1:8000' (or a list of them).")
         elif role == "reference" and is_url(choice):
             if has_reference is True:
                 raise ValueError(f"{owner}['reference'] = {choice!r} is a server, so the reference is the model it "
@@ -112,11 +117,27 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool 
                         raise ValueError(f"{owner}[{role!r}] = {choice!r} needs deepspeed: pip install deepspeed, "
                                          "or use 'fsdp2'.")
         out[role] = choice
-    if is_url(out["reference"]) and is_url(out["generator"]) and _server(out["reference"]) == _server(out["generator"]):
+    generators = out["generator"] if isinstance(out["generator"], tuple) else (out["generator"],)
+    if is_url(out["reference"]) and any(is_url(g) and _server(out["reference"]) == _server(g) for g in generators):
         raise ValueError(f"{owner}['reference'] = {out['reference']!r} is the generator's server, which takes the "
                          "actor's weights after every step, so it cannot serve the frozen reference: serve the "
                          "reference on its own port (hf-verl serve <reference model> --port ...).")
     return out
+
+
+def _fleet(urls: list | tuple, owner: str) -> str | tuple[str, ...]:
+    """A generator list checked: non-empty, URLs only, no server twice; one URL is that URL."""
+    if not urls:
+        raise ValueError(f"{owner}['generator'] is an empty list: give one or more server URLs, or 'colocated'.")
+    bad = [u for u in urls if not (isinstance(u, str) and is_url(u))]
+    if bad:
+        raise ValueError(f"{owner}['generator']: a generator fleet is a list of server URLs "
+                         f"(e.g. ['http://127.0.0.1:8000', 'http://127.0.0.1:8001']); not URLs: {bad!r}.")
+    servers = [_server(u) for u in urls]
+    twice = sorted({s for s in servers if servers.count(s) > 1})
+    if twice:
+        raise ValueError(f"{owner}['generator'] lists the server(s) {twice} more than once.")
+    return urls[0] if len(urls) == 1 else tuple(urls)
 
 
 def _server(url: str) -> str:

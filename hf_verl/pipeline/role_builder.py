@@ -6,8 +6,9 @@ engines: each model role (actor, critic, reference) gets its layout (the launch'
 `placement`) and a training engine from the registry (:func:`~hf_verl.engine.registry.make_engine`); a reference
 given by URL becomes a :class:`~hf_verl.engine.remote_reference.RemoteReference`; the generator becomes a rollout
 engine from the registry (:func:`~hf_verl.rollout.registry.make_rollout_engine`: `transformers` on the actor's own
-tensors or on a replica of a sharded actor, in-process `vllm`, or `remote` for a URL, whose weight-update token is
-`HF_VERL_SERVE_TOKEN`); reward models are placed beside the actor (sharded with it under FSDP2 / ZeRO-3).
+tensors or on a replica of a sharded actor, in-process `vllm`, `remote` for a URL, whose weight-update token is
+`HF_VERL_SERVE_TOKEN`, or `fleet` for a list of URLs); reward models are placed beside the actor (sharded with it
+under FSDP2 / ZeRO-3).
 
 `placement` is `{role: choice}` as :func:`~hf_verl.pipeline.placement.check_placement` validates it (the facade's
 `placement=` and the trainer configs' `placement` field alike; docs/placement.md).
@@ -55,10 +56,10 @@ class RoleBuilder:
             return replace(self.launch.with_backend(BACKENDS[choice]), colocated=False)
         return self.launch
 
-    def remote_url(self, role: str) -> str | None:
-        """The URL `role` is served at, when placed behind one."""
+    def remote_url(self, role: str) -> str | tuple[str, ...] | None:
+        """The URL `role` is served at, when placed behind one (a generator fleet's URLs, as a tuple)."""
         choice = self.placement.get(role, COLOCATED)
-        return choice if is_url(choice) else None
+        return choice if isinstance(choice, tuple) or is_url(choice) else None
 
     # ------------------------------------------------------------------ model roles
     def engine(self, model: Any, role: str, *, trainable: bool, **extra: Any):
@@ -112,30 +113,36 @@ class RoleBuilder:
                   autocast_dtype: Any = None) -> RolloutEngine:
         """The rollout engine: `engine` when it is an engine object; else the registered engine named by `engine`,
         or chosen from the placement and the settings: `remote` for a generator URL (`placement["generator"]`, or
-        TRL's `use_vllm=True, vllm_mode="server"` fields), `vllm` for TRL's `use_vllm=True` colocated, else
-        `transformers` on the actor's own tensors (on `replica` for a sharded actor).
+        TRL's `use_vllm=True, vllm_mode="server"` fields), `fleet` for a list of URLs, `vllm` for TRL's
+        `use_vllm=True` colocated, else `transformers` on the actor's own tensors (on `replica` for a sharded actor).
 
         Raises:
             ValueError: a URL generator together with an engine object or a non-remote engine name.
         """
-        url = self.remote_url("generator") or _trl_server_url(settings)
+        served = self.remote_url("generator") or _trl_server_url(settings)
+        urls = served if isinstance(served, tuple) else (served,) if served else ()
+        url = urls[0] if urls else None
         if isinstance(engine, RolloutEngine):
             if self.remote_url("generator") is not None:
                 raise ValueError("placement['generator'] is a URL but a rollout engine was given too: pass one of "
                                  "them.")
             return engine
-        name = engine or ("remote" if url else "vllm" if getattr(settings, "use_vllm", False) else "transformers")
+        name = engine or ("fleet" if len(urls) > 1 else "remote" if url else
+                          "vllm" if getattr(settings, "use_vllm", False) else "transformers")
         if url is None and name == "remote":
             raise ValueError("rollout_engine='remote' needs the server's URL: placement={'generator': url}.")
+        if len(urls) > 1 and name == "remote":
+            raise ValueError(f"rollout_engine='remote' serves one URL but placement['generator'] lists {len(urls)}: "
+                             "drop rollout_engine (a list gives the 'fleet' engine) or name 'fleet'.")
         model = None
-        if name != "remote":
+        if name not in ("remote", "fleet"):
             model = replica if replica is not None else actor.rollout_model()
-        context = RolloutEngineContext(model=model, tokenizer=tokenizer, settings=settings, url=url, seed=seed,
-                                       max_new_tokens=max_new_tokens, autocast_dtype=autocast_dtype)
+        context = RolloutEngineContext(model=model, tokenizer=tokenizer, settings=settings, url=url, urls=urls,
+                                       seed=seed, max_new_tokens=max_new_tokens, autocast_dtype=autocast_dtype)
         built = make_rollout_engine(name, context)
-        logger.info("rollout engine: %s (%s)", name, url or ("a replica of the actor" if replica is not None else
-                                                            "the actor's own weights" if name == "transformers" else
-                                                            "a copy of the actor"))
+        where = ", ".join(urls) or ("a replica of the actor" if replica is not None else
+                                    "the actor's own weights" if name == "transformers" else "a copy of the actor")
+        logger.info("rollout engine: %s (%s)", name, where)
         return built
 
 

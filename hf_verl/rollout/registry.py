@@ -9,6 +9,7 @@ Every built-in engine registers here as a user's would, and both front-ends buil
 | `transformers` | :class:`~hf_verl.rollout.hf_engine.TransformersEngine` | the actor's own tensors, or a replica of a sharded actor |
 | `vllm` | :class:`~hf_verl.rollout.vllm_engine.VLLMEngine` | in-process vLLM on a copy of the actor, kept in step by bucketed weight sync |
 | `remote` | :class:`~hf_verl.rollout.remote.RemoteEngine` | an OpenAI-compatible `/v1/completions` server (`hf-verl serve`, `vllm serve`) |
+| `fleet` | :class:`~hf_verl.rollout.fleet.FleetEngine` | several `hf-verl serve` servers as one (a list of URLs), surviving a server's death and restart |
 
 A factory takes one :class:`RolloutEngineContext` and returns a
 :class:`~hf_verl.rollout.base.RolloutEngine`:
@@ -51,7 +52,8 @@ class RolloutEngineContext:
             replica of a sharded actor); None for a server.
         tokenizer: the actor's tokenizer.
         settings: the front-end's config (sampling, `generation_kwargs`, vLLM and server fields), read as needed.
-        url (`str`, *optional*): a server's base URL.
+        url (`str`, *optional*): a server's base URL (a fleet's first).
+        urls (`tuple[str, ...]`): every server's base URL (a fleet, `placement={"generator": [url, ...]}`).
         token (`str`, *optional*): the server's weight-update token; default: the `HF_VERL_SERVE_TOKEN` variable.
         seed (`int`): this rank's sampling seed.
         max_new_tokens (`int`, *optional*): the completion limit (a colocated engine sizes its context from it).
@@ -62,6 +64,7 @@ class RolloutEngineContext:
     tokenizer: Any = None
     settings: Any = None
     url: str | None = None
+    urls: tuple[str, ...] = ()
     token: str | None = None
     seed: int = 0
     max_new_tokens: int | None = None
@@ -155,3 +158,13 @@ def _remote(context: RolloutEngineContext) -> RolloutEngine:
                          "use_vllm=True with vllm_mode='server' and vllm_server_base_url).")
     return RemoteEngine(context.url, token=context.weight_token,
                         timeout_s=context.setting("vllm_server_timeout", 240.0))
+
+
+@register_rollout_engine("fleet")
+def _fleet(context: RolloutEngineContext) -> RolloutEngine:
+    from hf_verl.rollout.fleet import FleetEngine
+
+    urls = context.urls or ((context.url,) if context.url else ())
+    if not urls:
+        raise ValueError("the fleet rollout engine needs its servers' URLs: placement={'generator': [url, ...]}.")
+    return FleetEngine(urls, token=context.weight_token, timeout_s=context.setting("vllm_server_timeout", 240.0))

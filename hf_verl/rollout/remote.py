@@ -14,6 +14,10 @@ the update atomically. With `backend="vllm"` (a `vllm serve` started with
 `VLLM_SERVER_DEV_MODE=1`), the buckets are written as safetensors shards into `shared_dir` (a
 folder the server can read), then one `POST /collective_rpc` `reload_weights(weights_path=...)`
 reloads them all in place and `POST /reset_prefix_cache` drops cached prefixes.
+
+A server that cannot be reached (every attempt failed, or the connection dropped during an upload) raises
+:class:`ServerUnreachable`, a :class:`RolloutServerError`, so that a fleet of servers
+(:mod:`hf_verl.rollout.fleet`) can tell a server that is gone from a request that is wrong.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 class RolloutServerError(RuntimeError):
     """The rollout server is unreachable or answered something unusable."""
+
+
+class ServerUnreachable(RolloutServerError):
+    """The rollout server did not answer: every attempt failed (connection errors, timeouts, 5xx), or the
+    connection dropped during a weight upload."""
 
 
 def tensor_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
@@ -86,7 +95,7 @@ class RemoteEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json",
-                 auth: bool = False, retry: bool = True) -> dict:
+                 auth: bool = False, retry: bool = True, timeout_s: float | None = None) -> dict:
         url = f"{self.base_url}{path}"
         headers = {"Content-Type": content_type}
         if auth and self.token:
@@ -98,7 +107,7 @@ class RemoteEngine(RolloutEngine):
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             req = urllib.request.Request(url, data=body, method=method, headers=headers)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                     raw = resp.read()
             except urllib.error.HTTPError as err:
                 detail = err.read()[:300].decode(errors="replace")
@@ -116,7 +125,7 @@ class RemoteEngine(RolloutEngine):
                 return json.loads(raw)
             except json.JSONDecodeError:
                 raise RolloutServerError(f"{url} did not answer JSON: {raw[:200]!r}") from None
-        raise RolloutServerError(
+        raise ServerUnreachable(
             f"rollout server at {self.base_url} is unreachable after {attempts} attempt(s): {last}. Start it "
             "(`hf-verl serve MODEL`) or check the URL."
         )
@@ -130,8 +139,10 @@ class RemoteEngine(RolloutEngine):
             self._model = data[0]["id"]
         return self._model
 
-    def server_weight_version(self) -> int:
-        return int(self._request("GET", "/v1/weights/version")["weight_version"])
+    def server_weight_version(self, *, retry: bool = True, timeout_s: float | None = None) -> int:
+        """The weight version the server reports (`GET /v1/weights/version`); `retry=False` with a short
+        `timeout_s` makes it a quick probe of whether the server is up."""
+        return int(self._request("GET", "/v1/weights/version", retry=retry, timeout_s=timeout_s)["weight_version"])
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
@@ -148,35 +159,39 @@ class RemoteEngine(RolloutEngine):
         completes (in completion order), so the caller can score finished rows while the others are
         still generating. Requests carry `chunk_rows` prompts (default `prompts_per_request`), and
         up to `max_concurrency` are in flight."""
-        prompts = [list(map(int, p)) for p in prompt_ids]
-        if any(not p for p in prompts):
-            raise ValueError("every prompt must contain at least one token.")
+        prompts = check_prompts(prompt_ids)
         size = max(1, chunk_rows or self.prompts_per_request)
         chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), size)]
-        body = {"model": self.model, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "top_k": sampling.top_k, "repetition_penalty": sampling.repetition_penalty,
-                "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True}
+        pool = ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(chunks))))
+        try:
+            futures = {pool.submit(self.complete, chunk, sampling): offset for offset, chunk in chunks}
+            for future in as_completed(futures):
+                yield futures[future], future.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def complete(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        """One `/v1/completions` request for `prompts` (token id lists): one completion each, in order.
+
+        Raises:
+            ServerUnreachable: every attempt failed.
+            RolloutServerError: the server refused the request or answered something unusable.
+        """
+        body = {"model": self.model, "prompt": [list(map(int, p)) for p in prompts],
+                "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k, "repetition_penalty": sampling.repetition_penalty, "logprobs": 1,
+                "return_token_ids": True, "return_tokens_as_token_ids": True}
         if sampling.min_p is not None:
             body["min_p"] = sampling.min_p
         if sampling.stop:
             body["stop"] = list(sampling.stop)
         if sampling.seed is not None:
             body["seed"] = sampling.seed
-
-        def send(chunk):
-            ids, lps, reasons, versions = self._parse(
-                self._request("POST", "/v1/completions", json.dumps({**body, "prompt": chunk}).encode()), len(chunk))
-            return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons,
-                                    weight_version=min(versions) if versions else self.weight_version,
-                                    extra={"weight_versions": versions})
-
-        pool = ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(chunks))))
-        try:
-            futures = {pool.submit(send, chunk): offset for offset, chunk in chunks}
-            for future in as_completed(futures):
-                yield futures[future], future.result()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        ids, lps, reasons, versions = self._parse(
+            self._request("POST", "/v1/completions", json.dumps(body).encode()), len(prompts))
+        return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons,
+                                weight_version=min(versions) if versions else self.weight_version,
+                                extra={"weight_versions": versions})
 
     def _parse(self, resp: dict, expected: int):
         url = f"{self.base_url}/v1/completions"
@@ -215,25 +230,20 @@ class RemoteEngine(RolloutEngine):
         if self.backend == "vllm":
             self._sync_vllm_server(named_tensors)
             return
-        update = uuid.uuid4().hex
+        upload = WeightUpload(self)
         buckets = tensor_buckets(named_tensors, self.bucket_bytes)
         pending = next(buckets, None)
         if pending is None:
             raise ValueError("sync_weights got no tensors.")
-        index, answer, conn = 0, None, None
         try:
             while pending is not None:
                 following = next(buckets, None)
-                path = f"/v1/weights?update={update}&index={index}&last={int(following is None)}"
-                conn, answer = self._upload(conn, path, pending)
-                pending, index = following, index + 1
+                upload.send(pending, last=following is None)
+                pending = following
         finally:
-            if conn is not None:
-                conn.close()
-        if not answer.get("applied"):
-            raise RolloutServerError(f"{self.base_url} did not apply the weight update: {answer}")
-        self._weight_version = int(answer["weight_version"])
-        logger.info("synced %d bucket(s) to %s; weight version %d", index, self.base_url, self._weight_version)
+            upload.close()
+        upload.finish()
+        logger.info("synced %d bucket(s) to %s; weight version %d", upload.index, self.base_url, self._weight_version)
 
     def _upload(self, conn, path: str, bucket: list[tuple[str, torch.Tensor]]):
         """POST one bucket on `conn` (opened when None or dropped); returns `(conn, answer)`."""
@@ -267,13 +277,14 @@ class RemoteEngine(RolloutEngine):
         except (OSError, http.client.HTTPException) as err:
             conn.close()
             why = sent_error or err
-            raise RolloutServerError(f"uploading weights to {url} failed: {why}. Is the server up (and the token "
-                                     "right)?") from None
+            raise ServerUnreachable(f"uploading weights to {url} failed: {why}. Is the server up (and the token "
+                                    "right)?") from None
         if resp.will_close:
             conn.close()
             conn = None
         if resp.status != 200:
-            raise RolloutServerError(f"{url} answered {resp.status}: {raw[:300].decode(errors='replace')}")
+            error = ServerUnreachable if resp.status >= 500 else RolloutServerError
+            raise error(f"{url} answered {resp.status}: {raw[:300].decode(errors='replace')}")
         try:
             return conn, json.loads(raw)
         except json.JSONDecodeError:
@@ -310,3 +321,47 @@ class RemoteEngine(RolloutEngine):
             urllib.request.urlopen(req, timeout=self.timeout_s).read()
         except (urllib.error.URLError, OSError) as err:
             raise RolloutServerError(f"{self.base_url}{path} failed: {err}") from None
+
+
+def check_prompts(prompt_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The prompts as lists of ints; each must hold at least one token."""
+    prompts = [list(map(int, p)) for p in prompt_ids]
+    if any(not p for p in prompts):
+        raise ValueError("every prompt must contain at least one token.")
+    return prompts
+
+
+class WeightUpload:
+    """One weight update to one `hf-verl serve` server: buckets sent in order on one kept-alive connection under
+    one update id; the server applies them together when the last arrives.
+
+    Args:
+        engine ([`RemoteEngine`]): the server's engine (its URL, token and timeout).
+    """
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self.engine, self.update, self.index = engine, uuid.uuid4().hex, 0
+        self.conn, self.answer = None, None
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]], *, last: bool) -> dict:
+        """Upload one bucket (`last`: the update's final one); returns the server's answer."""
+        path = f"/v1/weights?update={self.update}&index={self.index}&last={int(last)}"
+        self.conn, self.answer = self.engine._upload(self.conn, path, bucket)
+        self.index += 1
+        return self.answer
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def finish(self) -> int:
+        """The server's weight version once it applied the update (also the engine's `weight_version`).
+
+        Raises:
+            RolloutServerError: the last answer does not say the update was applied.
+        """
+        if not (self.answer or {}).get("applied"):
+            raise RolloutServerError(f"{self.engine.base_url} did not apply the weight update: {self.answer}")
+        self.engine._weight_version = int(self.answer["weight_version"])
+        return self.engine._weight_version
