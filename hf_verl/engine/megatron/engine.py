@@ -122,7 +122,10 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronWeights, Tra
                               layer_offset=self._pp_rank * per_stage, num_layers=per_stage, first_stage=self._first,
                               last_stage=self._last)
         self._load_hf(stage, model.state_dict())
-        stage.to(dtype=self._dtype)
+        # built on the CPU (use_cpu_initialization); on a GPU machine the stage moves to this rank's device, where
+        # Megatron's DDP puts its gradient buffers (torch.cuda.current_device(), set per rank by accelerate)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        stage.to(device=device, dtype=self._dtype)
         self._keep_padding_row(stage, model)
         self._head_plan: Plan | None = None  # the plan whose forward runs now (its scored positions)
         if self._last and self._kind == "causal_lm":
