@@ -47,9 +47,10 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 
-from hf_verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from hf_verl.rollout.base import GenerationOutput, SamplingParams
 from hf_verl.rollout.remote import (
     RemoteEngine,
+    RequestBatchedEngine,
     RolloutServerError,
     ServerUnreachable,
     WeightUpload,
@@ -78,7 +79,7 @@ class _Member:
         return self.engine.base_url
 
 
-class FleetEngine(RolloutEngine):
+class FleetEngine(RequestBatchedEngine):
     """Generate on several servers as one engine (see the module docstring).
 
     Args:
@@ -93,6 +94,8 @@ class FleetEngine(RolloutEngine):
         bucket_bytes (`int`, defaults to 256 MiB): weight-sync bucket size.
         probe_timeout_s (`float`, defaults to 5): the timeout of the one-attempt probe of a server that is down.
     """
+
+    engine_kind = "a generator fleet"
 
     serves_every_rank = True  # one fleet for every rank: the main rank sends the weights
 
@@ -167,14 +170,6 @@ class FleetEngine(RolloutEngine):
                                 "servers with `hf-verl serve MODEL`; a restarted one rejoins at the next weight sync.")
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
-                 row_seeds: Sequence[int] | None = None) -> GenerationOutput:
-        if row_seeds is not None:
-            raise NotImplementedError("a generator fleet batches rows into requests and cannot seed each row; turn "
-                                      "per-row sampling seeds off for server mode.")
-        parts = sorted(self.generate_stream(prompt_ids, sampling), key=lambda part: part[0])
-        return GenerationOutput.concat([out for _, out in parts])
-
     def generate_stream(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                         chunk_rows: int | None = None) -> Iterator[tuple[int, GenerationOutput]]:
         """Generate like :meth:`generate`, yielding `(offset, output)` per request as each one completes, so the

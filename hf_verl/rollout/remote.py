@@ -62,7 +62,22 @@ def tensor_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_byt
         yield bucket
 
 
-class RemoteEngine(RolloutEngine):
+class RequestBatchedEngine(RolloutEngine):
+    """An engine that sends rows to servers in requests: `generate` gathers its own `generate_stream` in prompt
+    order. Rows of one request share the server's sampler, so per-row sampling seeds cannot be honoured."""
+
+    engine_kind = "a remote engine"  # how the refusal of row seeds names the engine
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                 row_seeds: Sequence[int] | None = None) -> GenerationOutput:
+        if row_seeds is not None:
+            raise NotImplementedError(f"{self.engine_kind} batches rows into requests and cannot seed each row; "
+                                      "turn per-row sampling seeds off for server mode.")
+        parts = sorted(self.generate_stream(prompt_ids, sampling), key=lambda part: part[0])
+        return GenerationOutput.concat([out for _, out in parts])
+
+
+class RemoteEngine(RequestBatchedEngine):
     """Generate on a remote OpenAI-compatible server (see the module docstring).
 
     Args:
@@ -145,14 +160,6 @@ class RemoteEngine(RolloutEngine):
         return int(self._request("GET", "/v1/weights/version", retry=retry, timeout_s=timeout_s)["weight_version"])
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
-                 row_seeds: Sequence[int] | None = None) -> GenerationOutput:
-        if row_seeds is not None:
-            raise NotImplementedError("a remote engine batches rows into requests and cannot seed each row; "
-                                      "turn per-row sampling seeds off for server mode.")
-        parts = sorted(self.generate_stream(prompt_ids, sampling), key=lambda part: part[0])
-        return GenerationOutput.concat([out for _, out in parts])
-
     def generate_stream(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                         chunk_rows: int | None = None) -> Iterator[tuple[int, GenerationOutput]]:
         """Generate like :meth:`generate`, yielding `(offset, output)` per request as each one
