@@ -235,6 +235,12 @@ SETTINGS: dict[str, Setting] = {
                                  "Generate and score the next round in a background thread while the current one "
                                  "trains (the facade: `rollout()` without a batch, and `rollouts(...)`; an explicit "
                                  "`rollout(batch)` is always synchronous). The facade's default is True.",
+    "router_replay": Setting(False, (bool,), lambda v: True, "True or False",
+                             "Rollout routing replay for a Mixture-of-Experts actor: the rollout engine records the "
+                             "experts each token was routed to, and the actor's training forwards route every token "
+                             "to those experts (gate weights recomputed over them), so the policy ratio compares the "
+                             "same computation (docs/moe.md). A dense actor is refused. Read when the roles are "
+                             "first laid out."),
                                  defaults={"facade": True}),
     "max_staleness": Setting(1, (int,), lambda v: v >= 0, "an int >= 0",
                            "Most policy versions a rollout's weights may lag behind the actor when it is "

@@ -34,7 +34,11 @@ _TENSOR_SPEC: dict[str, tuple[str, str]] = {
     "is_weights": ("BC|B1", "float"),
     "weight_version": ("B", "long"),
     "is_truncated": ("B", "mask"),
+    # routing replay: the experts the rollout routed each token to, (B, P | C, layers, top_k), -1 where none
+    "prompt_routed_experts": ("BP+", "index"),
+    "completion_routed_experts": ("BC+", "index"),
 }
+NOT_ROUTED = -1  # a routing record's value for a token no forward routed (hf_verl.moe.routing.NOT_ROUTED)
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,10 @@ class RolloutBatch:
     filled in by later phases (`None` until then). `completion_mask` selects the tokens that are
     trained on and scored; `completion_attention_mask`, when set, is the completion's attention mask
     (1 on every real token, tool observations included; multi-turn rollouts). `is_weights` are the
-    importance weights that correct an off-policy rollout's loss (`(B, C)`, or `(B, 1)` per sequence), and
-    `loss_inputs` the loss's step-wide values ([`LossInputs`]). `meta` holds the
+    importance weights that correct an off-policy rollout's loss (`(B, C)`, or `(B, 1)` per sequence);
+    `prompt_routed_experts` / `completion_routed_experts` (`(B, P, layers, top_k)` / `(B, C, layers, top_k)`,
+    integers, -1 where no forward routed the token) the experts a Mixture-of-Experts rollout routed each token to
+    (routing replay, :mod:`hf_verl.moe.routing`); and `loss_inputs` the loss's step-wide values ([`LossInputs`]). `meta` holds the
     non-tensor side (prompt and completion texts, extra dataset columns, a trace id), each list
     aligned with the batch.
     """
@@ -86,6 +92,8 @@ class RolloutBatch:
     is_truncated: torch.Tensor | None = None
     completion_attention_mask: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
+    prompt_routed_experts: torch.Tensor | None = None
+    completion_routed_experts: torch.Tensor | None = None
     loss_inputs: LossInputs = field(default_factory=LossInputs)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -138,6 +146,13 @@ class RolloutBatch:
         return torch.cat([self.prompt_mask, completion], dim=1)
 
     @property
+    def routed_experts(self) -> torch.Tensor | None:
+        """`(B, P + C, layers, top_k)`: the routing record of `input_ids`' tokens, or None without one."""
+        if self.prompt_routed_experts is None or self.completion_routed_experts is None:
+            return None
+        return torch.cat([self.prompt_routed_experts, self.completion_routed_experts], dim=1)
+
+    @property
     def num_completion_tokens(self) -> int:
         return int(self.completion_mask.sum())
 
@@ -157,8 +172,14 @@ class RolloutBatch:
         dims = {"B": (B,), "BP": (B, P), "BC": (B, C), "B1": (B, 1)}
         for name, tensor in self.tensor_fields().items():
             rank, kind = _TENSOR_SPEC[name]
-            allowed = [dims[r] for r in rank.split("|")]
-            if tuple(tensor.shape) not in allowed:
+            allowed = [dims[r.rstrip("+")] for r in rank.split("|")]
+            shape = tuple(tensor.shape)
+            if rank.endswith("+"):  # trailing axes of the field's own (layers, top_k)
+                if tensor.dim() != 4:
+                    raise ValueError(f"RolloutBatch.{name} must be 4-D (batch, length, layers, top_k), got "
+                                     f"{shape}.")
+                shape = shape[:2]
+            if shape not in allowed:
                 want = " or ".join(str(a) for a in allowed)
                 raise ValueError(
                     f"RolloutBatch.{name} has shape {tuple(tensor.shape)}, expected {want} "
@@ -173,6 +194,8 @@ class RolloutBatch:
                 raise TypeError(f"RolloutBatch.{name} must be int64, got {tensor.dtype}.")
             if kind == "mask" and tensor.dtype not in (torch.long, torch.bool, torch.int32):
                 raise TypeError(f"RolloutBatch.{name} must be an integer or bool mask, got {tensor.dtype}.")
+            if kind == "index" and (tensor.is_floating_point() or tensor.dtype == torch.bool):
+                raise TypeError(f"RolloutBatch.{name} must be an integer tensor, got {tensor.dtype}.")
             if kind == "float" and not tensor.is_floating_point():
                 raise TypeError(f"RolloutBatch.{name} must be floating point, got {tensor.dtype}.")
         for key, value in self.meta.items():
@@ -216,6 +239,12 @@ class RolloutBatch:
             return self
         changes: dict[str, Any] = {}
         for name, tensor in self.tensor_fields().items():
+            if _TENSOR_SPEC[name][1] == "index":  # a routing record: (B, length, layers, top_k), -1 added
+                extra = extra_p if _TENSOR_SPEC[name][0] == "BP+" else extra_c
+                fill = tensor.new_full((tensor.shape[0], extra, *tensor.shape[2:]), NOT_ROUTED)
+                parts = [fill, tensor] if _TENSOR_SPEC[name][0] == "BP+" else [tensor, fill]
+                changes[name] = torch.cat(parts, dim=1)
+                continue
             if tensor.dim() != 2 or (name == "is_weights" and tensor.shape[1] == 1 and C != 1):
                 continue  # per-sequence importance weights have no token axis
             value = pad_token_id if name.endswith("_ids") else 0

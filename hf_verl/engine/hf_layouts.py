@@ -20,6 +20,8 @@ An engine with its own layout rules (Megatron's sequence packing, a vocabulary-p
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from hf_verl.data.batch import RolloutBatch
@@ -32,6 +34,8 @@ from hf_verl.data.prefix_sharing import (
     sharing_cost,
 )
 from hf_verl.engine.parts.scoring import TokenStats
+from hf_verl.moe.metrics import routing_metrics
+from hf_verl.moe.routing import RoutingTap
 
 # Packing saves the padded positions' work and costs one attention call per row and layer. Measured on the
 # CPU (benchmarks/packing.py), that call costs about as much as PACK_ROW_COST / hidden_size tokens do.
@@ -104,6 +108,8 @@ class HFLayouts:
 
     padding_free: bool | None = None
     shared_prefix: bool | None = None
+    router_replay: bool = False
+    last_routing: dict = {}  # noqa: RUF012 - replaced, never mutated
 
     def logprobs(self, batch: RolloutBatch, *, temperature: float = 1.0, chunk_size: int = 1024,
                  with_entropy: bool = False, with_aux_loss: bool = False):
@@ -117,8 +123,18 @@ class HFLayouts:
             raise ValueError("a Mixture-of-Experts router aux loss (router_aux_loss_coef > 0) is not supported "
                              "with sequence_parallel_size > 1: set router_aux_loss_coef=0 or "
                              "sequence_parallel_size=1.")
-        packs = self._packs(batch, with_aux_loss)
-        if self.dims.sp == 1 and (layout := self._rollout_layout(batch, packs, with_aux_loss)) is not None:
+        tap = self._routing_tap()
+        replay = self.router_replay and batch.routed_experts is not None
+        if self.router_replay and not replay and batch.completion_ids.shape[1]:
+            raise ValueError("router_replay=True but this rollout batch carries no routing record "
+                             "(prompt_routed_experts / completion_routed_experts): its rollout engine does not record "
+                             "routing. Use the transformers, vllm or remote engine, or set router_replay=False.")
+        if replay and self.dims.sp > 1:
+            raise ValueError("router_replay=True does not combine with sequence_parallel_size > 1 yet: set "
+                             "sequence_parallel_size=1 or router_replay=False.")
+        plain = with_aux_loss or replay  # routing is replayed (and its metrics taken) over padded rows
+        packs = self._packs(batch, plain)
+        if self.dims.sp == 1 and (layout := self._rollout_layout(batch, packs, plain)) is not None:
             stats = self.shared_token_logprobs(layout, temperature=temperature if temperature > 0 else 1.0,
                                                chunk_size=chunk_size, with_entropy=with_entropy)
             entropy = scatter_completion(batch, stats.entropy) if with_entropy else None
@@ -126,13 +142,39 @@ class HFLayouts:
         if packs:
             return self._packed_logprobs(batch, temperature, chunk_size, with_entropy)
         input_ids, mask, select, targets = rollout_positions(batch)
-        stats = self.token_logprobs(input_ids, targets, select, attention_mask=mask,
-                                    position_ids=position_ids_from_mask(mask),
-                                    temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
-                                    with_entropy=with_entropy, with_aux_loss=with_aux_loss)
+        record = batch.routed_experts
+        record = None if record is None else record.reshape(-1, *record.shape[2:])
+        with tap.recording(record if replay else None) if tap is not None else contextlib.nullcontext():
+            stats = self.token_logprobs(input_ids, targets, select, attention_mask=mask,
+                                        position_ids=position_ids_from_mask(mask),
+                                        temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
+                                        with_entropy=with_entropy, with_aux_loss=with_aux_loss)
+            if tap is not None:
+                self.last_routing = routing_metrics(tap.take(), mask.reshape(-1), tap.num_experts,
+                                                    recorded=record, replayed=replay)
         entropy = scatter_completion(batch, stats.entropy) if with_entropy else None
         logp = scatter_completion(batch, stats.logp)
         return (logp, entropy, stats.aux_loss) if with_aux_loss else (logp, entropy)
+
+    # ------------------------------------------------------------------ Mixture of Experts: routing
+    def _routing_tap(self) -> RoutingTap | None:
+        """The model's routing tap when it is a Mixture-of-Experts model on one sequence-parallel rank (None
+        otherwise): its forwards record the routers' choices (metrics) and replay a rollout's with
+        :attr:`router_replay`."""
+        if self.dims.sp > 1:
+            return None
+        return RoutingTap.of(self.model)
+
+    def routing_window(self) -> contextlib.AbstractContextManager:
+        """Around one micro-batch's forward and backward: a replayed routing stays in force through the backward
+        (activation checkpointing recomputes the layers there)."""
+        tap = self._routing_tap() if self.router_replay else None
+        return tap.window() if tap is not None else contextlib.nullcontext()
+
+    def take_routing_metrics(self) -> dict[str, float]:
+        """The routing metrics of the last :meth:`logprobs` forward (:mod:`hf_verl.moe.metrics`), then cleared."""
+        out, self.last_routing = self.last_routing, {}
+        return out
 
     def sampling_statistics(self, batch: RolloutBatch, *, temperature: float = 1.0,
                             chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:

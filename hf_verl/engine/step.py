@@ -80,7 +80,9 @@ class LogProbs:
     def run(self, engine: Any, micro_batch: Any) -> PolicyOutput:
         out = engine.logprobs(micro_batch, temperature=self.temperature, chunk_size=self.chunk_size,
                               with_entropy=self.with_entropy, with_aux_loss=self.with_aux_loss)
-        return PolicyOutput(logp=out[0], entropy=out[1], aux_loss=out[2] if self.with_aux_loss else None)
+        take = getattr(engine, "take_routing_metrics", None)
+        return PolicyOutput(logp=out[0], entropy=out[1], aux_loss=out[2] if self.with_aux_loss else None,
+                            routing=take() if take is not None else {})
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class PolicyOutput:
     logp: torch.Tensor
     entropy: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    routing: dict = field(default_factory=dict)  # a Mixture-of-Experts forward's routing metrics (hf_verl.moe)
 
 
 @dataclass

@@ -317,7 +317,7 @@ class Algorithm(abc.ABC):
 
             def actor_loss(out, mb):
                 loss, stats = self.policy_loss(out, mb, observe=training)
-                return loss, self.policy_metrics(stats)
+                return loss, {**self.policy_metrics(stats), **out.routing}  # routing: an MoE's (hf_verl.moe)
 
             results.append(roles.actor.forward_backward(list(micro_batches), actor_loss, forward=request,
                                                         forward_only=not training, loss_scale=loss_scale or 1.0))

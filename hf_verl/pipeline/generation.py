@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_verl.data.batch import RolloutBatch, pad_sequences
+from hf_verl.data.batch import NOT_ROUTED, RolloutBatch, pad_sequences
 from hf_verl.data.prompts import is_conversational
 from hf_verl.parallel import watchdog
 from hf_verl.rewards.callables import score_reward_funcs
@@ -51,7 +51,33 @@ def batch_from_output(prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Any
     batch.meta.update(prompts=list(prompts), prompt_ids=[list(p) for p in prompt_ids],
                       completions=tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True),
                       completion_ids=out.completion_ids)
+    if out.routed_experts is not None:
+        batch.prompt_routed_experts, batch.completion_routed_experts = routing_fields(
+            out.routed_experts, [len(p) for p in prompt_ids], batch.prompt_ids.shape[1],
+            batch.completion_ids.shape[1], batch.device)
+        batch.validate()
     return batch
+
+
+def routing_fields(records: Sequence[torch.Tensor], prompt_lengths: Sequence[int], prompt_width: int,
+                   completion_width: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rollout's per-row routing records (`(prompt_len + completion_len, layers, top_k)` each) laid out as the
+    batch lays out its tokens: `(B, P, layers, top_k)` left-padded and `(B, C, layers, top_k)` right-padded, -1 on
+    padding."""
+    first = torch.as_tensor(records[0])
+    trailing, dtype = tuple(first.shape[1:]), first.dtype
+    prompt = torch.full((len(records), prompt_width, *trailing), NOT_ROUTED, dtype=dtype)
+    completion = torch.full((len(records), completion_width, *trailing), NOT_ROUTED, dtype=dtype)
+    for i, (record, n) in enumerate(zip(records, prompt_lengths)):
+        record = torch.as_tensor(record)
+        if tuple(record.shape[1:]) != trailing:
+            raise ValueError(f"routing record {i} has shape {tuple(record.shape)}, the first {tuple(first.shape)}: "
+                             "every row must record the same layers and top-k.")
+        if n:
+            prompt[i, prompt_width - n :] = record[:n]
+        tail = record[n : n + completion_width]
+        completion[i, : tail.shape[0]] = tail
+    return prompt.to(device), completion.to(device)
 
 
 @watchdog.phase("generate", role="rollout")

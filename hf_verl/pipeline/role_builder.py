@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from hf_verl.engine.registry import RoleLayout, make_engine
+from hf_verl.moe.routing import is_moe_model
 from hf_verl.parallel.sharded_load import loaded_sharded, reference_copy, whole_copy
 from hf_verl.pipeline.placement import BACKENDS, COLOCATED, is_url
 from hf_verl.pipeline.prefetch import frozen_copy
@@ -126,6 +127,7 @@ class RoleBuilder:
             if self.remote_url("generator") is not None:
                 raise ValueError("placement['generator'] is a URL but a rollout engine was given too: pass one of "
                                  "them.")
+            configure_router_replay(settings, actor, engine)
             return engine
         name = engine or ("fleet" if len(urls) > 1 else "remote" if url else
                           "vllm" if getattr(settings, "use_vllm", False) else "transformers")
@@ -140,10 +142,34 @@ class RoleBuilder:
         context = RolloutEngineContext(model=model, tokenizer=tokenizer, settings=settings, url=url, urls=urls,
                                        seed=seed, max_new_tokens=max_new_tokens, autocast_dtype=autocast_dtype)
         built = make_rollout_engine(name, context)
+        configure_router_replay(settings, actor, built)
         where = ", ".join(urls) or ("a replica of the actor" if replica is not None else
                                     "the actor's own weights" if name == "transformers" else "a copy of the actor")
         logger.info("rollout engine: %s (%s)", name, where)
         return built
+
+
+def configure_router_replay(settings: Any, actor: Any, rollout: RolloutEngine) -> None:
+    """`router_replay=True`: the rollout engine records the experts each token is routed to, and the actor's
+    forwards route every token to them (:mod:`hf_verl.moe.routing`).
+
+    Raises:
+        ValueError: a dense actor (nothing to replay), or an actor engine that cannot replay.
+    """
+    if not getattr(settings, "router_replay", False):
+        return
+    model = getattr(actor, "model", None)
+    if model is None or not is_moe_model(model):
+        raise ValueError(f"router_replay=True needs a Mixture-of-Experts actor; {type(model).__name__} has no top-k "
+                         "routers (a dense model routes nothing): set router_replay=False.")
+    if not hasattr(actor, "router_replay"):
+        raise ValueError(f"router_replay=True runs on the accelerate engines (one process, DDP, FSDP2, ZeRO); the "
+                         f"{type(actor).__name__} cannot replay routing yet: set router_replay=False or use another "
+                         "backend.")
+    actor.router_replay = True
+    rollout.record_routing = True
+    logger.info("routing replay: %s records each token's experts, the actor's forwards route by them",
+                type(rollout).__name__)
 
 
 def _trl_server_url(settings: Any) -> str | None:

@@ -128,6 +128,10 @@ class GenerationOutput:
             `completion_ids`. For greedy decoding the temperature is taken as 1.
         finish_reasons (`list[str]`): `"stop"` (EOS or a stop string) or `"length"`.
         weight_version (`int`): the engine's weight version the completions were generated with.
+        routed_experts (`list[torch.Tensor]`, *optional*): a Mixture-of-Experts rollout asked to record its
+            routing (:attr:`RolloutEngine.record_routing`): per completion, the experts every token of prompt +
+            completion was routed to, `(prompt_len + completion_len, layers, top_k)` integers, -1 for a token no
+            forward routed (the last sampled one).
     """
 
     completion_ids: list[list[int]]
@@ -135,6 +139,7 @@ class GenerationOutput:
     finish_reasons: list[str]
     weight_version: int = 0
     extra: dict = field(default_factory=dict)
+    routed_experts: list | None = None
 
     @classmethod
     def concat(cls, parts: Sequence[GenerationOutput]) -> GenerationOutput:
@@ -143,10 +148,14 @@ class GenerationOutput:
         versions = []
         for p in parts:
             versions += p.extra.get("weight_versions") or [p.weight_version] * len(p.completion_ids)
+        routed = None
+        if parts and all(p.routed_experts is not None for p in parts):
+            routed = [r for p in parts for r in p.routed_experts]
         return cls(completion_ids=[c for p in parts for c in p.completion_ids],
                    logprobs=[lp for p in parts for lp in p.logprobs],
                    finish_reasons=[r for p in parts for r in p.finish_reasons],
-                   weight_version=min(versions) if versions else 0, extra={"weight_versions": versions})
+                   weight_version=min(versions) if versions else 0, extra={"weight_versions": versions},
+                   routed_experts=routed)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -160,6 +169,8 @@ class GenerationOutput:
                 raise ValueError(
                     f"completion {i} has {len(ids)} tokens but {len(lps)} log-probs."
                 )
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"GenerationOutput has {n} completions but {len(self.routed_experts)} routing records.")
         bad = set(self.finish_reasons) - {FINISH_STOP, FINISH_LENGTH}
         if bad:
             raise ValueError(f"unknown finish reasons {sorted(bad)}; expected 'stop' or 'length'.")
@@ -175,6 +186,11 @@ class RolloutEngine(abc.ABC):
 
     serves_every_rank: bool = False
     """Whether one engine (a server) serves every rank: weight sync then sends from the main rank only."""
+
+    record_routing: bool = False
+    """Whether :meth:`generate` records the experts a Mixture-of-Experts model routed each token to
+    (`GenerationOutput.routed_experts`; routing replay). Set by the trainers when `router_replay=True`; an engine
+    that cannot record refuses at :meth:`generate`."""
 
     def __init__(self) -> None:
         self._weight_version = 0

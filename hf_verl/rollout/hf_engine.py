@@ -21,11 +21,13 @@ are the ones it returns with ``output_logits=True``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from hf_verl.moe.routing import NOT_ROUTED, RoutingTap
 from hf_verl.parallel.precision import autocast
 from hf_verl.rollout.base import (
     FINISH_LENGTH,
@@ -104,6 +106,8 @@ class TransformersEngine(RolloutEngine):
             pad = min(self.eos_token_ids) if self.eos_token_ids else 0
         self.pad_token_id = int(pad)
         self._dedup_prefill = True  # one prefill per distinct prompt, while the model's cache can repeat rows
+        self._prefill_rows: torch.Tensor | None = None  # the last prefill's distinct prompt of each row, if deduped
+        self._decode_steps = 0  # tokens the last chunk sampled per row
 
     # ------------------------------------------------------------------ generation
 
@@ -142,13 +146,19 @@ class TransformersEngine(RolloutEngine):
         completions: list[list[int]] = []
         logprobs: list[list[float]] = []
         reasons: list[str] = []
+        routed: list[torch.Tensor] | None = [] if self.record_routing else None
+        tap = self._routing_tap() if self.record_routing else None
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad(), autocast(self._device(), self.autocast_dtype):
                 for start in range(0, len(prompts), step):
                     chunk_gen = generator[start : start + step] if isinstance(generator, list) else generator
-                    ids, lps, rs = self._generate_chunk(prompts[start : start + step], sampling, chunk_gen)
+                    chunk = prompts[start : start + step]
+                    with tap.recording() if tap is not None else contextlib.nullcontext():
+                        ids, lps, rs = self._generate_chunk(chunk, sampling, chunk_gen)
+                        if tap is not None:
+                            routed += self._chunk_routing(tap, chunk, ids)
                     completions += ids
                     logprobs += lps
                     reasons += rs
@@ -160,7 +170,43 @@ class TransformersEngine(RolloutEngine):
             logprobs=logprobs,
             finish_reasons=reasons,
             weight_version=self.weight_version,
+            routed_experts=routed,
         )
+
+    # ------------------------------------------------------------------ routing records (routing replay)
+    def _routing_tap(self) -> RoutingTap:
+        tap = RoutingTap.of(self.model)
+        if tap is None:
+            raise ValueError(f"record_routing=True (router_replay) needs a Mixture-of-Experts model; "
+                             f"{type(self.model).__name__} has no top-k routers. Set router_replay=False.")
+        return tap
+
+    def _chunk_routing(self, tap: RoutingTap, prompts: list[list[int]], completions: list[list[int]]
+                       ) -> list[torch.Tensor]:
+        """Each row's routing record `(len(prompt) + len(completion), layers, top_k)` from the chunk's forwards:
+        the prefill (every row, or each distinct prompt once: `self._prefill_rows` maps them back) and one
+        single-token forward per decode step, in order."""
+        rows, width = len(prompts), max(len(p) for p in prompts)
+        record = tap.take()  # (tokens of every forward, in call order, L, k)
+        prefill_rows = self._prefill_rows if self._prefill_rows is not None else torch.arange(rows)
+        first = prefill_rows.max().item() + 1 if self._prefill_rows is not None else rows
+        head, rest = record[: first * width], record[first * width :]
+        steps = max(self._decode_steps - 1, 0)  # the last sampled token is never fed back
+        if rest.shape[0] != steps * rows:
+            raise RuntimeError(f"routing record of {record.shape[0]} tokens is not a prefill of {first} x {width} "
+                               f"and {steps} decode steps of {rows} rows: this generation (beam search, a custom "
+                               "generate) cannot be recorded; decode with the lean loop or set router_replay=False.")
+        prefill = head.view(first, width, *record.shape[1:])[prefill_rows.to(head.device)]
+        decoded = rest.view(steps, rows, *record.shape[1:]).transpose(0, 1)
+        full = torch.cat([prefill, decoded], dim=1).to(torch.int16 if tap.num_experts < 2**15 else torch.int32)
+        out = []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            row = full[i, width - len(p) : width + len(c)].cpu()
+            if row.shape[0] < len(p) + len(c):  # the last sampled tokens were never fed back
+                pad = row.new_full((len(p) + len(c) - row.shape[0], *row.shape[1:]), NOT_ROUTED)
+                row = torch.cat([row, pad])
+            out.append(row)
+        return out
 
     def _device(self) -> torch.device:
         try:
@@ -180,6 +226,7 @@ class TransformersEngine(RolloutEngine):
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
                         generator: torch.Generator | None = None):
+        self._prefill_rows = None
         input_ids, attention_mask = self._left_pad(prompts)
         if self.use_generate or sampling.stop or _own_generate(self.model):
             # `generate` samples from the global generator: seed it inside a fork, so the caller's
@@ -191,6 +238,7 @@ class TransformersEngine(RolloutEngine):
                 generated, token_lps = self._decode_with_generate(input_ids, attention_mask, sampling)
         else:
             generated, token_lps = self._decode_loop(input_ids, attention_mask, sampling, generator)
+        self._decode_steps = generated.shape[1]
 
         ids_out, lps_out, reasons = [], [], []
         for row, row_lps in zip(generated.tolist(), token_lps.tolist()):
@@ -252,6 +300,7 @@ class TransformersEngine(RolloutEngine):
             `(logits (B, V), cache)`.
         """
         width = input_ids.shape[1]
+        self._prefill_rows = None
         unique, inverse = torch.unique(torch.cat([input_ids, mask], dim=-1), dim=0, return_inverse=True)
         if self._dedup_prefill and unique.shape[0] < input_ids.shape[0]:
             u_ids, u_mask = unique[:, :width], unique[:, width:]
@@ -260,6 +309,7 @@ class TransformersEngine(RolloutEngine):
             cache = out.past_key_values
             try:
                 cache.batch_select_indices(inverse)
+                self._prefill_rows = inverse
                 return out.logits[inverse, -1].float(), cache
             except (AttributeError, NotImplementedError):
                 # a cache whose layers cannot repeat rows (the recurrent layers of hybrid Mamba / linear-attention

@@ -44,6 +44,9 @@ class RolloutArguments:
         "result to float rounding). None: when the layout's arithmetic is no more than that of the padded or "
         "packed layout it replaces (see docs/benchmarks.md#shared-prompts), the model attends with sdpa and has no "
         "sliding-window layers; True: whenever two rows share a prompt (an error when the model cannot); False: never."))
+    router_replay: bool = setting_field("router_replay", None, (
+        "Mixture-of-Experts actors: record the experts the rollout routed each token to and route the training "
+        "forwards' tokens to them (rollout routing replay; docs/moe.md). Off by default; a dense model is refused."))
     per_row_sampling_seed: bool = setting_field("per_row_sampling_seed", None, (
         "Sample each completion from its own stream seeded by (seed, its row in the global round): rollouts do not "
         "depend on how rows are split over processes."))

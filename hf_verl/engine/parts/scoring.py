@@ -165,5 +165,8 @@ def concat_outputs(parts: list[Any]) -> Any:
         return tuple(concat_outputs(list(items)) for items in zip(*parts))
     if first is None:
         return None
+    if isinstance(first, dict):  # per-chunk metrics (routing): each key's mean over the chunks that have it
+        keys = {k for p in parts for k in p}
+        return {k: sum(p[k] for p in parts if k in p) / sum(k in p for p in parts) for k in keys}
     raise TypeError(f"infer() cannot concatenate outputs of type {type(first).__name__}; run one chunk "
                     "(micro_batch=None) or return tensors.")

@@ -58,7 +58,7 @@ class StepEngine(EngineModel):
             for i, micro_batch in enumerate(micro_batches):
                 sync = contextlib.nullcontext() if forward_only or i == last else self.no_sync()
                 grad = torch.no_grad() if forward_only else contextlib.nullcontext()
-                with sync, grad:
+                with sync, grad, self.routing_window():
                     with watchdog.phase(f"forward {i + 1}/{last + 1}", collective=self._forward_collective()):
                         output = forward.run(self, micro_batch)
                         loss, metrics = loss_fn(output, micro_batch)
@@ -85,6 +85,11 @@ class StepEngine(EngineModel):
     @abc.abstractmethod
     def _backward(self, loss: torch.Tensor) -> None:
         """Backpropagate one micro-batch's (already scaled) loss; called by :meth:`forward_backward` only."""
+
+    def routing_window(self) -> contextlib.AbstractContextManager:
+        """A context around one micro-batch's forward and backward (a Mixture-of-Experts engine keeps a replayed
+        routing in force through the backward's recomputation); none by default."""
+        return contextlib.nullcontext()
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """A context in which a forward and backward accumulate local gradients without reducing them."""
