@@ -204,3 +204,57 @@ def test_grpo_ppo_and_the_facade_train_with_router_replay(tmp_path):
     assert rollout.completion_routed_experts is not None
     metrics = facade.step(facade.compute_loss(rollout))
     assert metrics["moe/replayed_tokens"] > 0.8 and metrics["moe/routing_agreement"] == 1.0
+
+
+def test_hf_verl_serve_returns_the_routing_and_the_remote_engine_carries_it():
+    import copy
+    import json
+    import urllib.error
+    import urllib.request
+
+    from hf_verl.rollout.remote import RemoteEngine
+    from hf_verl.serve.server import RolloutServer
+
+    tok = build_char_tokenizer()
+    model = moe_model(tok)
+    server = RolloutServer(TransformersEngine(copy.deepcopy(model), tok), tok, "tiny", port=0).start()
+    dense = None
+    try:
+        prompts = [tok(p).input_ids for p in ("abc", "hello", "abc")]
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+        remote = RemoteEngine(server.address)
+        remote.record_routing = True
+        served = remote.generate(prompts, greedy)
+        local = TransformersEngine(model, tok)
+        local.record_routing = True
+        expected = local.generate(prompts, greedy)
+        assert served.completion_ids == expected.completion_ids
+        assert all(torch.equal(a.long(), b.long()) for a, b in zip(served.routed_experts, expected.routed_experts))
+
+        def post(url, body):
+            req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req) as resp:
+                return json.loads(resp.read())
+
+        plain = post(server.address, {"prompt": [prompts[0]], "max_tokens": 3})
+        assert "routed_experts" not in plain["choices"][0]
+        from tests.test_grpo_trainer import _model
+
+        dense = RolloutServer(TransformersEngine(_model(tok), tok), tok, "dense", port=0).start()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(dense.address, {"prompt": [prompts[0]], "max_tokens": 3, "return_routed_experts": True})
+        assert err.value.code == 400 and "Mixture-of-Experts" in err.value.read().decode()
+    finally:
+        server.shutdown()
+        if dense is not None:
+            dense.shutdown()
+
+
+def test_vllm_routing_needs_its_gpu_runner():
+    from hf_verl.rollout.vllm_engine import VLLMEngine
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs vLLM's routed-experts output")
+    with pytest.raises(ValueError, match="Model Runner V2 only, and that needs Triton"):
+        VLLMEngine("unused", record_routing=True)

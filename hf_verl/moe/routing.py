@@ -44,6 +44,21 @@ def is_moe_model(model: torch.nn.Module) -> bool:
     return bool(find_routers(model))
 
 
+def fit_record(record, tokens: int) -> torch.Tensor:
+    """A routing record `(n, layers, top_k)` (a tensor or an array, e.g. vLLM's `routed_experts`) cut or extended
+    with :data:`NOT_ROUTED` to `tokens` rows (an engine that never routed the last sampled token returns one
+    row fewer)."""
+    if record is None:
+        raise ValueError("the rollout engine returned no routing record although one was asked for (router_replay).")
+    record = torch.as_tensor(record).to(torch.int32)
+    if record.dim() != 3:
+        raise ValueError(f"a routing record must be (tokens, layers, top_k), got {tuple(record.shape)}.")
+    if record.shape[0] >= tokens:
+        return record[:tokens]
+    pad = record.new_full((tokens - record.shape[0], *record.shape[1:]), NOT_ROUTED)
+    return torch.cat([record, pad])
+
+
 def _softmax_then_select(renormalize: Callable[[torch.nn.Module], bool]):
     def weights(router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(logits.float(), dim=-1)

@@ -215,6 +215,7 @@ class FleetEngine(RequestBatchedEngine):
             member = min(room, key=lambda m: (load[id(m)], (self.members.index(m) - self._turn) % n))
             self._turn += 1
             offset, chunk = queue.popleft()
+            member.engine.record_routing = self.record_routing  # routing replay: every server returns its routing
             in_flight[pool.submit(member.engine.complete, chunk, sampling)] = (member, (offset, chunk))
 
     def _accept(self, member: _Member, future, rows: int) -> GenerationOutput | None:

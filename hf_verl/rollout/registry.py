@@ -146,6 +146,7 @@ def _vllm(context: RolloutEngineContext) -> RolloutEngine:
         enable_sleep_mode=context.setting("vllm_enable_sleep_mode", False), seed=context.seed,
         model_impl=context.setting("vllm_model_impl", "vllm"),
         structured_outputs_regex=context.setting("vllm_structured_outputs_regex"),
+        record_routing=bool(context.setting("router_replay", False)),
         trust_remote_code=context.setting("trust_remote_code", False))
 
 

@@ -194,11 +194,31 @@ class RemoteEngine(RequestBatchedEngine):
             body["stop"] = list(sampling.stop)
         if sampling.seed is not None:
             body["seed"] = sampling.seed
-        ids, lps, reasons, versions = self._parse(
-            self._request("POST", "/v1/completions", json.dumps(body).encode()), len(prompts))
+        if self.record_routing:
+            body["return_routed_experts"] = True
+        resp = self._request("POST", "/v1/completions", json.dumps(body).encode())
+        ids, lps, reasons, versions = self._parse(resp, len(prompts))
         return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons,
                                 weight_version=min(versions) if versions else self.weight_version,
-                                extra={"weight_versions": versions})
+                                extra={"weight_versions": versions},
+                                routed_experts=self._routing(resp, prompts, ids) if self.record_routing else None)
+
+    def _routing(self, resp: dict, prompts: Sequence[Sequence[int]], completions: list[list[int]]) -> list:
+        """Each choice's `routed_experts` (routing replay) as a `(prompt + completion tokens, layers, top_k)` tensor."""
+        choices = sorted(resp["choices"], key=lambda c: c.get("index", 0))
+        out = []
+        for c, p, ids in zip(choices, prompts, completions):
+            record = c.get("routed_experts")
+            if record is None:
+                raise RolloutServerError(f"{self.base_url}/v1/completions returned no routed_experts although "
+                                         "router_replay asked for them: serve a Mixture-of-Experts model with "
+                                         "hf-verl serve (transformers engine), or set router_replay=False.")
+            record = torch.tensor(record, dtype=torch.int16)
+            if record.dim() != 3 or record.shape[0] != len(p) + len(ids):
+                raise RolloutServerError(f"{self.base_url} returned routed_experts of shape {tuple(record.shape)} for "
+                                         f"{len(p)} prompt and {len(ids)} completion tokens.")
+            out.append(record)
+        return out
 
     def _parse(self, resp: dict, expected: int):
         url = f"{self.base_url}/v1/completions"

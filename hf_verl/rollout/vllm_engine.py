@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from hf_verl.moe.routing import fit_record
 from hf_verl.rollout.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -33,6 +34,7 @@ from hf_verl.rollout.base import (
     RolloutEngine,
     SamplingParams,
 )
+from hf_verl.rollout.vllm_weights import CheckpointFormat, repack_cpu_experts
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +55,18 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
                  enable_sleep_mode: bool = False, seed: int = 0, bucket_bytes: int = 256 * 2**20,
-                 structured_outputs_regex: str | None = None, **llm_kwargs) -> None:
+                 structured_outputs_regex: str | None = None, record_routing: bool = False, **llm_kwargs) -> None:
         super().__init__()
         on_gpu = torch.cuda.is_available()
+        if record_routing:
+            if not on_gpu:
+                raise ValueError("router_replay with the vllm engine needs vLLM's routed-experts output, which runs on "
+                                 "its Model Runner V2 only, and that needs Triton (a CUDA GPU): on this CPU machine "
+                                 "use rollout_engine='transformers' or a generator served by hf-verl serve, or set "
+                                 "router_replay=False.")
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            llm_kwargs["enable_return_routed_experts"] = True
+            self.record_routing = True
         # in-process engine core: streamed weight reloads (a generator) cannot cross a process boundary
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -72,6 +83,7 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(enable_sleep_mode=enable_sleep_mode)
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
+        self._checkpoint_format = CheckpointFormat(model)  # transformers-5 fused experts -> the checkpoint's names
         self.bucket_bytes = bucket_bytes
         self.structured_outputs_regex = structured_outputs_regex
         self.on_gpu = on_gpu
@@ -114,14 +126,17 @@ class VLLMEngine(RolloutEngine):
                 p.seed = int(seed)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         ids, lps, reasons = [], [], []
-        for out in outs:
+        routed = [] if self.record_routing else None
+        for prompt, out in zip(prompts, outs):
             c = out.outputs[0]
             token_ids = [int(t) for t in c.token_ids]
             ids.append(token_ids)
             lps.append([float(step[t].logprob) for step, t in zip(c.logprobs, token_ids)])
             reasons.append(FINISH_STOP if c.finish_reason == "stop" else FINISH_LENGTH)
+            if routed is not None:
+                routed.append(fit_record(c.routed_experts, len(prompt) + len(token_ids)))
         return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons,
-                                weight_version=self.weight_version)
+                                weight_version=self.weight_version, routed_experts=routed)
 
     def _structured(self) -> dict:
         """vLLM's structured-output constraint (a regular expression every completion must match), if any."""
@@ -137,11 +152,13 @@ class VLLMEngine(RolloutEngine):
 
         def stream():
             nonlocal count
-            for name, tensor in named_tensors:
+            for name, tensor in self._checkpoint_format(named_tensors):
                 count += 1
                 yield name, tensor.detach()
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        if not self.on_gpu and self._checkpoint_format.moe:
+            repack_cpu_experts(self.llm)
         if not count:
             raise ValueError("sync_weights got no tensors.")
         self.llm.reset_prefix_cache()
@@ -195,7 +212,9 @@ def write_model_dir(model, tokenizer, path: str) -> None:
             if key in seen:  # a tied weight (lm_head = embed_tokens): safetensors stores it once
                 continue
             seen.add(key)
-            tensors[name] = tensor.contiguous()
+            tensors[name] = tensor
+    # what save_pretrained writes (per-expert names), which vLLM's MoE loaders read
+    tensors = {name: tensor.contiguous() for name, tensor in CheckpointFormat(path)(tensors.items())}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -37,7 +37,9 @@ def split_output(out: GenerationOutput, sizes: Sequence[int]) -> list[Generation
         end = start + size
         parts.append(GenerationOutput(completion_ids=out.completion_ids[start:end], logprobs=out.logprobs[start:end],
                                       finish_reasons=out.finish_reasons[start:end],
-                                      weight_version=out.weight_version))
+                                      weight_version=out.weight_version,
+                                      routed_experts=None if out.routed_experts is None
+                                      else out.routed_experts[start:end]))
         start = end
     return parts
 

@@ -70,13 +70,16 @@ class Answer:
                             for w, lp in zip(words, lps)]}
 
     def response(self, rows: list[tuple[list[int], list[float], str]], prompts: list[list[int]],
-                 version: int) -> dict:
-        """The whole answer: `rows` holds (token ids, log-probs, finish reason) per choice."""
+                 version: int, routed: list | None = None) -> dict:
+        """The whole answer: `rows` holds (token ids, log-probs, finish reason) per choice; `routed`, when given,
+        each choice's routing record (`routed_experts`)."""
         choices = []
         for i, ((ids, lps, reason), prompt) in enumerate(zip(rows, prompts)):
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             choice = {"index": i, "finish_reason": reason, "token_ids": list(ids), "prompt_token_ids": list(prompt),
                       "logprobs": self._logprobs(ids, lps), "weight_version": version}
+            if routed is not None:
+                choice["routed_experts"] = routed[i].tolist()
             choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
             choices.append(choice)
         completion_tokens = sum(len(ids) for ids, _, _ in rows)

@@ -108,6 +108,11 @@ class CompletionRequest(SamplingRequest):
                                           "(the first one null) before the sampled ones in `logprobs`.")
     prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's: each choice gets `prompt_logprobs`, "
                                         "per prompt token its log-prob and rank and the K most likely tokens'.")
+    return_routed_experts: bool = Field(False, description="hf_verl's (vLLM's `enable_return_routed_experts`, per "
+                                        "request here): each choice gets `routed_experts`, for every token of prompt "
+                                        "and completion the experts each Mixture-of-Experts layer routed it to "
+                                        "(`[tokens][layers][top_k]`, -1: no forward routed it); an MoE model served by "
+                                        "the transformers engine.")
     suffix: str | None = Field(None, description="Not supported.")
     best_of: int | None = Field(None, description="Not supported beyond `n`.")
 
@@ -122,6 +127,9 @@ class CompletionRequest(SamplingRequest):
     def _scoring(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens=0 generates nothing: it is allowed only with echo=true (score the prompt)")
+        if self.stream and self.return_routed_experts:
+            raise ValueError("return_routed_experts is not supported with stream=true by hf-verl serve; send the "
+                             "request without stream")
         if self.stream and self.scores_prompt:
             raise ValueError("echo and prompt_logprobs are not supported with stream=true by hf-verl serve; send "
                              "the request without stream")

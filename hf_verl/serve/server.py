@@ -35,7 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from hf_verl.moe.routing import is_moe_model
 from hf_verl.rollout.base import RolloutEngine, SamplingParams
+from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.serve.auth import TOKEN_ENV, is_loopback, read_token  # noqa: F401 (the public names of this module)
 from hf_verl.serve.batching import RequestBatcher
 from hf_verl.serve.errors import ServeError, describe_validation_error
@@ -95,6 +97,8 @@ class RolloutServer(UvicornHost):
                 f"the network. Set {TOKEN_ENV} or pass --token-file, or serve on 127.0.0.1."
             )
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        if isinstance(engine, TransformersEngine) and is_moe_model(engine.model):
+            engine.record_routing = True  # an MoE's answers can carry their routing (return_routed_experts)
         self.served_model_names = list(served_model_names or [model_name])
         self.max_n, self.max_tokens, self.max_prompts = max_n, max_tokens, max_prompts
         self.token = token
@@ -129,10 +133,15 @@ class RolloutServer(UvicornHost):
         req = _validated(CompletionRequest, body)
         if req.scores_prompt:
             return self.scored_completions(req)
+        if req.return_routed_experts and not self.engine.record_routing:
+            raise ServeError(400, "return_routed_experts needs a Mixture-of-Experts model served by the transformers "
+                                  f"engine; this server's {type(self.engine).__name__} does not record routing",
+                             "return_routed_experts")
         prompts, sampling = self.prepare(req, self.prompt_ids(req.prompts), req.max_tokens or 16)
         out = self.batcher.generate(prompts, sampling)
         return Answer(False, self.model_name, self.tokenizer).response(
-            list(zip(out.completion_ids, out.logprobs, out.finish_reasons)), prompts, out.weight_version)
+            list(zip(out.completion_ids, out.logprobs, out.finish_reasons)), prompts, out.weight_version,
+            routed=out.routed_experts if req.return_routed_experts else None)
 
     def scored_completions(self, req: CompletionRequest) -> dict:
         """A completions request with `echo` or `prompt_logprobs`: the prompts scored by the model (and, unless
