@@ -8,13 +8,22 @@ from __future__ import annotations
 import logging
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from hf_verl.planner import (REFERENCE_ARCHITECTURES, Architecture, Layout, PlanError, Workload,
-                                      memory_breakdown, plan, resolve_architecture)
+from hf_verl.planner import (
+    REFERENCE_ARCHITECTURES,
+    Architecture,
+    Layout,
+    PlanError,
+    Workload,
+    memory_breakdown,
+    plan,
+    resolve_architecture,
+)
 from hf_verl.planner.memory import GiB, MiB
 from hf_verl.planner.plan import _shapes
 
@@ -206,7 +215,8 @@ def test_megatron_vocab_padding_is_counted():
 # ------------------------------------------------------------------ the seed article's three examples (80 GiB)
 def test_seed_2_gpus_13b_is_fsdp_data_parallel_with_the_numbers():
     p = plan("13b", num_devices=2, device_memory_gib=80, seq_len=4096)
-    assert p.layout.dp == 2 and p.layout.sharding == "fsdp2" and p.layout.tp == p.layout.pp == 1
+    # sharded data parallel with the optimizer states (and their gradient partitions) on the host: ZeRO-2 + offload
+    assert p.layout.dp == 2 and p.layout.sharding in ("zero2", "fsdp2") and p.layout.tp == p.layout.pp == 1
     assert p.memory_per_rank <= 80 * GiB
     text = p.explain()
     # honest arithmetic: 13B x 16 bytes = 208 GB > 2 x 80 GiB, so the optimizer states go to the host
@@ -223,12 +233,61 @@ def test_seed_8_gpus_70b_full_fine_tuning_does_not_fit_and_says_what_to_add():
     assert "add devices" in msg and "LoRA" in msg
 
 
-def test_seed_8_gpus_70b_lora_is_megatron_tp_pp():
-    p = plan("70b", num_devices=8, device_memory_gib=80, seq_len=4096, trainable_fraction=0.01)
-    assert p.layout.megatron and p.layout.tp * p.layout.pp == 8
-    assert p.memory_per_rank <= 80 * GiB and "megatron-core" in p.explain()
-    # without the rollout engine's own copy of the weights the frozen and trained roles also fit on TP x PP
-    assert "rollout engine weights" in p.explain() or p.roles["actor"].memory.components["actor rollout engine weights"]
+def _with(engine: str, feature: str):
+    """capabilities.ENGINE_FEATURES with `engine` granted `feature` (a plan for that engine as it will be)."""
+    from hf_verl.planner.capabilities import ENGINE_FEATURES
+
+    return {**ENGINE_FEATURES, engine: ENGINE_FEATURES[engine] | {feature}}
+
+
+def _without(engine: str, feature: str):
+    from hf_verl.planner.capabilities import ENGINE_FEATURES
+
+    return {**ENGINE_FEATURES, engine: ENGINE_FEATURES[engine] - {feature}}
+
+
+def test_seed_8_gpus_70b_lora_follows_what_the_megatron_engine_runs():
+    from hf_verl.planner.capabilities import engine_runs
+
+    kw = dict(num_devices=8, device_memory_gib=80, seq_len=4096, trainable_fraction=0.01)
+    # while the Megatron engine does not train LoRA: no Megatron layout; with the rollout engine's own whole copy of
+    # the weights nothing else fits, and the error says both
+    no_lora = _without("megatron", "lora")
+    with pytest.raises(PlanError) as err:
+        plan("70b", features=no_lora, **kw)
+    assert "Megatron engine trains LoRA" in str(err.value) and "rollout engine" in str(err.value)
+    p = plan("70b", rollout=False, features=no_lora, **kw)
+    assert not p.layout.megatron and p.layout.sharding in ("zero3", "fsdp2")
+    assert "Megatron layouts are not offered" in p.explain()
+    assert not any(lay.startswith("megatron") for lay, _ in p.rejected)
+    # once capabilities say it runs LoRA, the plan is TP x PP over the 8 devices
+    q = plan("70b", features=_with("megatron", "lora"), **kw)
+    assert q.layout.megatron and q.layout.tp * q.layout.pp == 8 and q.memory_per_rank <= 80 * GiB
+    assert "megatron-core" in q.explain() and "Megatron layouts are not offered" not in q.explain()
+    # the default follows capabilities.ENGINE_FEATURES, whichever way it says today
+    if engine_runs("megatron", "lora"):
+        assert plan("70b", **kw).layout.megatron
+    else:
+        with pytest.raises(PlanError, match="Megatron engine trains LoRA"):
+            plan("70b", **kw)
+
+
+def test_lora_reference_is_the_base_with_adapters_off_not_a_copy():
+    lora = plan("7b", num_devices=8, device_memory_gib=80, seq_len=2048, trainable_fraction=0.01)
+    ref = lora.roles["reference"].memory.components
+    assert "reference weights" not in ref and ref["reference activations"] > 0  # its forward is still counted
+    assert "adapters off" in lora.explain()
+    # full fine-tuning keeps a frozen copy; so does a LoRA run given a reference model of its own
+    full = plan("7b", num_devices=8, device_memory_gib=80, seq_len=2048)
+    assert full.roles["reference"].memory.components["reference weights"] > 0
+    own = plan("7b", num_devices=8, device_memory_gib=80, seq_len=2048, trainable_fraction=0.01,
+               roles={"actor": None, "reference": "7b"})
+    assert own.roles["reference"].memory.components["reference weights"] > 0
+    # the memory model: shares_weights drops exactly the weights term
+    work = dict(seq_len=128, trainable=False)
+    shared = memory_breakdown(ARCH, Layout(), Workload(shares_weights=True, **work), baseline_bytes=0, role="reference")
+    copy = memory_breakdown(ARCH, Layout(), Workload(**work), baseline_bytes=0, role="reference")
+    assert copy.peak_bytes - shared.peak_bytes == copy.components["reference weights"] == 4 * ARCH.params
 
 
 def test_seed_32k_context_is_ulysses_sp():
@@ -257,6 +316,154 @@ def test_errors():
         plan("7b", num_devices=1, device_memory_gib=16, seq_len=1024)
     with pytest.raises(ValueError, match="sharding"):
         Layout(tp=2, sharding="fsdp2")
+
+
+# ------------------------------------------------------------------ Mixture-of-Experts
+def _qwen3_moe_config(**kw):
+    from transformers import Qwen3MoeConfig
+
+    fields = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                  num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, mlp_only_layers=[1], tie_word_embeddings=False)
+    return Qwen3MoeConfig(**{**fields, **kw})
+
+
+def test_moe_counts_total_and_active_parameters_by_hand():
+    import torch
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeForCausalLM,
+    )
+
+    h, v = 64, 1000
+    attn = h * (64 + 2 * 32) + 64 * h + 2 * 16  # q, k, v, o and Qwen3's q / k norms (head_dim 16)
+    experts = 8 * 3 * h * 32  # 8 experts of width 32, gated
+    moe_layer = attn + h * 8 + experts + 2 * h  # + router and two RMSNorms
+    dense_layer = attn + 3 * h * 128 + 2 * h
+    total = 2 * moe_layer + dense_layer + 2 * v * h + h  # mlp_only_layers=[1]: layer 1 is dense
+    arch = resolve_architecture(_qwen3_moe_config())
+    assert (arch.experts, arch.experts_per_token, arch.moe_layers, arch.dense_layers) == (8, 2, 2, 1)
+    assert arch.params == total
+    assert arch.expert_params == 2 * experts
+    assert arch.active_params == total - 2 * 6 * 3 * h * 32  # 6 of a layer's 8 experts idle per token
+    torch.manual_seed(0)
+    assert arch.params == sum(p.numel() for p in Qwen3MoeForCausalLM(_qwen3_moe_config()).parameters())
+    # Qwen2-MoE's gated shared expert, Mixtral's per-expert intermediate_size, DeepSeek-V3's shared experts,
+    # first dense layers and latent attention: the formula equals the built module
+    configs = [
+        (Qwen2MoeForCausalLM, Qwen2MoeConfig(vocab_size=v, hidden_size=h, intermediate_size=128, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+        (MixtralForCausalLM, MixtralConfig(vocab_size=v, hidden_size=h, intermediate_size=96, num_local_experts=4,
+                                           num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2)),
+        (DeepseekV3ForCausalLM, DeepseekV3Config(vocab_size=v, hidden_size=h, intermediate_size=128,
+                                                 moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                                                 num_experts_per_tok=2, first_k_dense_replace=1, num_hidden_layers=3,
+                                                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                                                 kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                                 v_head_dim=16, n_group=1, topk_group=1)),
+    ]
+    for cls, config in configs:
+        a = resolve_architecture(config)
+        assert a.params == sum(p.numel() for p in cls(config).parameters()), cls.__name__
+        assert a.is_moe and a.active_params < a.params
+    qwen2 = resolve_architecture(configs[0][1])
+    assert qwen2.shared_intermediate == 48 and qwen2.shared_gate and qwen2.mlp_width_per_token == 2 * 32 + 48
+    assert resolve_architecture(configs[2][1]).dense_layers == 1
+
+
+@pytest.mark.parametrize("size,total,active", [("30b-a3b", 30.53, 3.35), ("235B-A22B", 235.09, 22.19),
+                                               ("47b-a13b", 46.70, 12.88)])
+def test_moe_size_strings_are_the_public_counts(size, total, active):
+    arch = resolve_architecture(size)
+    assert arch.params / 1e9 == pytest.approx(total, abs=0.01)
+    assert arch.active_params / 1e9 == pytest.approx(active, abs=0.01)
+    other = resolve_architecture("100b-a10b")  # the nearest active share, its layers scaled to the total
+    assert other.params / 1e9 == pytest.approx(100, rel=0.05) and other.active_params / 1e9 == pytest.approx(10, rel=0.1)
+    assert "layers" in other.source and "active" in other.source
+    with pytest.raises(ValueError, match="active parameters exceed"):
+        resolve_architecture("3b-a30b")
+
+
+def test_expert_parallel_divides_the_experts_and_costs_a_dispatch():
+    from hf_verl.planner import step_time
+
+    arch = resolve_architecture(_qwen3_moe_config())
+    work = Workload(seq_len=128, device="cuda")
+    one = memory_breakdown(arch, Layout(dp=4, sharding="zero1", megatron=True), work, baseline_bytes=0)
+    four = memory_breakdown(arch, Layout(dp=4, sharding="zero1", ep=4), work, baseline_bytes=0)
+    saved = arch.expert_params * 3 / 4  # three quarters of the experts live on the other ranks
+    assert one.components["actor weights"] - four.components["actor weights"] == pytest.approx(4 * saved, abs=2)
+    assert one.components["actor gradients"] - four.components["actor gradients"] == pytest.approx(4 * saved, abs=2)
+    # the distributed optimizer shards an expert's states over dp / ep: per rank as without EP
+    assert four.components["actor optimizer states"] == one.components["actor optimizer states"]
+    # compute follows the active parameters; EP adds the token dispatcher's all-to-all
+    st1 = step_time(arch, Layout(dp=4, sharding="zero1", megatron=True), seq_len=128, global_rows=8)
+    st4 = step_time(arch, Layout(dp=4, sharding="zero1", ep=4), seq_len=128, global_rows=8)
+    dense = replace(arch, experts_per_token=arch.experts)  # every expert active: the total count
+    assert st1.parts["compute"] < step_time(dense, Layout(dp=4), seq_len=128, global_rows=8).parts["compute"]
+    assert "all-to-all (expert dispatch)" not in st1.parts and st4.parts["all-to-all (expert dispatch)"] > 0
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        Layout(dp=4, ep=3)
+
+
+def test_plan_picks_expert_parallelism_for_a_big_moe_and_says_why():
+    from hf_verl.planner.capabilities import ENGINE_FEATURES
+
+    features = _with("megatron", "expert")
+    p = plan("235b-a22b", num_devices=128, device_memory_gib=80, seq_len=4096, global_batch=512, features=features)
+    assert p.layout.megatron and p.layout.ep > 1 and 128 % p.layout.ep == 0
+    text = p.explain()
+    assert "235.09B parameters in total, 22.19B active per token" in text
+    assert f"puts {128 // p.layout.ep} experts on each rank" in text and "all-to-all" in text
+    assert p.step.parts["all-to-all (expert dispatch)"] > 0 and p.config_fields()["expert_model_parallel_size"] > 1
+    # where the Megatron engine does not run expert parallelism, no layout has ep > 1 and the error says what to add
+    without = {**ENGINE_FEATURES, "megatron": ENGINE_FEATURES["megatron"] - {"expert"}}
+    with pytest.raises(PlanError, match="expert parallelism, once hf_verl's Megatron engine runs it"):
+        plan("235b-a22b", num_devices=128, device_memory_gib=80, seq_len=4096, global_batch=512, features=without)
+    small = plan("30b-a3b", num_devices=8, device_memory_gib=80, seq_len=4096, algo="dpo", features=without)
+    assert small.layout.ep == 1 and "not run it yet" in small.explain()
+
+
+# ------------------------------------------------------------------ host memory and offload
+def test_70b_full_fine_tuning_offloads_where_the_host_holds_it():
+    p = plan("70b", num_devices=8, device_memory_gib=80, seq_len=4096, algo="dpo", host_memory_gib=2048)
+    assert p.layout.offload_optimizer and p.layout.sharding in ("zero3", "fsdp2")
+    assert p.memory_per_rank <= 80 * GiB and 8 * 16 * 68.98e9 / 8 < p.host_per_node <= 2048 * GiB
+    assert "live in host memory" in p.explain() and "the host's 2048 GiB holds it" in p.explain()
+    with pytest.raises(PlanError) as err:
+        plan("70b", num_devices=8, device_memory_gib=80, seq_len=4096, algo="dpo", host_memory_gib=1024)
+    msg = str(err.value)
+    assert "1024 GiB of host memory per node" in msg and "fits the devices" in msg and "host_memory_gib=1024" in msg
+    assert "more host memory" in msg
+    with pytest.raises(ValueError, match="host_memory_gib"):
+        plan("7b", num_devices=1, device_memory_gib=80, seq_len=1024, host_memory_gib=0)
+
+
+def test_offload_layouts_follow_what_each_engine_runs():
+    from hf_verl.planner.plan import _offered
+
+    arch = REFERENCE_ARCHITECTURES["7b"]
+    assert _offered(Layout(dp=2, sharding="fsdp2", offload_params=True, offload_optimizer=True), arch, False)
+    assert _offered(Layout(dp=2, sharding="zero3", offload_params=True, offload_optimizer=True), arch, False)
+    assert not _offered(Layout(dp=2, sharding="zero2", offload_optimizer=True), arch, False,
+                        {"deepspeed": frozenset({"lora"})})
+    assert not _offered(Layout(tp=2), arch, True, _without("megatron", "lora"))  # LoRA: as capabilities say
+    assert _offered(Layout(tp=2), arch, True, _with("megatron", "lora"))
+
+
+def test_host_memory_in_the_config_path(monkeypatch):
+    from hf_verl.planner.apply import _host_memory_gib
+
+    assert _host_memory_gib(SimpleNamespace(host_memory_gib=512), "cuda") == 512
+    assert _host_memory_gib(SimpleNamespace(), "cpu") is None  # a CPU run's host is its device memory
+    assert _host_memory_gib(SimpleNamespace(), "cuda") > 0  # this machine's RAM
 
 
 # ------------------------------------------------------------------ parallel="auto" in the configs

@@ -9,8 +9,10 @@ Megatron-LM or a `parallelism_config` sp_size, is kept as it is, the log says so
 sized for it. The plan is logged once per process (rank 0 only).
 
 FSDP2 is applied the way an FSDP2 accelerate config would ask for it (`ACCELERATE_USE_FSDP=true`,
-`FSDP_VERSION=2` in this process; hf_verl's engine shards, as it does for that config); DeepSpeed ZeRO layouts are
-not chosen automatically (they need a DeepSpeed config of the launch's own).
+`FSDP_VERSION=2` in this process, and `FSDP_OFFLOAD_PARAMS=true` for its CPU offload; hf_verl's engine shards, as it
+does for that config); DeepSpeed ZeRO layouts are not chosen automatically (they need a DeepSpeed config of the
+launch's own). Expert parallelism is chosen only where the config has `expert_model_parallel_size`. Host memory
+bounds offloading: the config's `host_memory_gib` where it has one, else the machine's RAM on a GPU machine.
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ def explicit_layout(config: Any) -> str | None:
     return ", ".join(said) or None
 
 
+def _host_memory_gib(config: Any, device: str) -> float | None:
+    """Host RAM per node for offloading: the config's `host_memory_gib`, else this machine's (GPU runs; on a CPU
+    run the host is the device memory already)."""
+    given = getattr(config, "host_memory_gib", None)
+    if given is not None or device != "cuda":
+        return given
+    import psutil
+
+    return psutil.virtual_memory().total / GiB
+
+
 def _device_memory_gib(world: int) -> tuple[float, str]:
     import torch
 
@@ -86,12 +99,17 @@ def auto_plan(config: Any, model: Any, *, world: int, global_batch: int, allow: 
         roles = ("actor", "critic", "reference")
     return plan(model, num_devices=world, device_memory_gib=memory, seq_len=seq_len, algo=algo, roles=roles,
                 global_batch=global_batch, completion_len=scored, precision="bf16" if bf16 else "fp32",
-                device=device, allow=allow, rollout=bool(getattr(config, "use_vllm", False)))
+                device=device, allow=allow, rollout=bool(getattr(config, "use_vllm", False)),
+                host_memory_gib=_host_memory_gib(config, device))
 
 
-def _runnable(layout: Layout) -> bool:
-    if layout.sharding.startswith("zero") or layout.offload_optimizer:
+def _runnable(layout: Layout, config: Any = None) -> bool:
+    """What `parallel="auto"` can apply by itself: not DeepSpeed (it needs the launch's own config), expert
+    parallelism only where the config has its field."""
+    if layout.sharding.startswith("zero"):
         return False  # DeepSpeed needs the launch's own config
+    if layout.ep > 1 and not hasattr(config, "expert_model_parallel_size"):
+        return False
     if layout.megatron:
         from hf_verl.engine.registry import ENGINES
 
@@ -126,22 +144,27 @@ def apply_parallel_plan(config: Any, model: Any, owner: str) -> None:
     mbs = DEFAULT_MICRO_BATCH if auto_batch else config.per_device_train_batch_size
     global_batch = mbs * accum * world
     explicit = explicit_layout(config) if parallel == "auto" else "parallel is not 'auto'"
+
+    def runnable(layout: Layout) -> bool:
+        return _runnable(layout, config)
+
     if explicit:
         fixed = _explicit_filter(config)
         result = auto_plan(config, model, world=world, global_batch=global_batch, allow=fixed)
         if parallel == "auto":
             _log_once(f"{owner}: parallel='auto', but the explicit layout ({explicit}) wins: no plan applied "
-                      f"(the planner would choose: {auto_plan(config, model, world=world, global_batch=global_batch, allow=_runnable).layout.label})")
+                      f"(the planner would choose: {auto_plan(config, model, world=world, global_batch=global_batch, allow=runnable).layout.label})")
     else:
-        result = auto_plan(config, model, world=world, global_batch=global_batch, allow=_runnable)
+        result = auto_plan(config, model, world=world, global_batch=global_batch, allow=runnable)
         lay = result.layout
         if lay.megatron:
             config.backend = "megatron"
         config.tensor_model_parallel_size, config.pipeline_model_parallel_size = lay.tp, lay.pp
         config.sequence_parallel_size = lay.sp
+        if lay.ep > 1:
+            config.expert_model_parallel_size = lay.ep
         config.gradient_checkpointing = lay.activation_checkpointing
-        if lay.sharding == "fsdp2":
-            os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", HF_VERL_PLANNED="1")
+        _apply_fsdp(lay)
         _log_once(f"{owner}: parallel='auto' on {world} process(es):\n{result.explain()}")
     lay = result.layout
     if auto_batch or not explicit:
@@ -160,6 +183,14 @@ def apply_parallel_plan(config: Any, model: Any, owner: str) -> None:
                   f"{global_batch} rows")
 
 
+def _apply_fsdp(lay: Layout) -> None:
+    """FSDP2 (and its CPU offload) as an FSDP2 accelerate config would ask for it."""
+    if lay.sharding == "fsdp2":
+        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", HF_VERL_PLANNED="1")
+        if lay.offload_params:
+            os.environ["FSDP_OFFLOAD_PARAMS"] = "true"
+
+
 def _explicit_filter(config: Any):
     tp = getattr(config, "tensor_model_parallel_size", 1) or 1
     pp = getattr(config, "pipeline_model_parallel_size", 1) or 1
@@ -172,11 +203,16 @@ def _explicit_filter(config: Any):
     if megatron:
         sharding = None
     ckpt = bool(getattr(config, "gradient_checkpointing", False))
+    ep = getattr(config, "expert_model_parallel_size", 1) or 1
+    # what the launch offloads: FSDP2's CPU offload moves parameters and optimizer states together
+    offload_params = bool(spec.offload_params) and not megatron
+    offload_optimizer = bool(spec.offload_optimizer or (offload_params and sharding == "fsdp2")) and not megatron
 
     def allow(layout: Layout) -> bool:
-        return ((layout.tp, layout.pp, layout.sp, layout.megatron) == (tp, pp, sp, megatron)
+        return ((layout.tp, layout.pp, layout.sp, layout.ep, layout.megatron) == (tp, pp, sp, ep, megatron or ep > 1)
                 and (sharding is None or layout.sharding == sharding)
-                and layout.activation_checkpointing == ckpt and not layout.offload_optimizer)
+                and layout.activation_checkpointing == ckpt
+                and layout.offload_params == offload_params and layout.offload_optimizer == offload_optimizer)
 
     return allow
 
@@ -198,7 +234,7 @@ def apply_facade_plan(config: Any, model: Any):
     roles = ("actor", "reference") if config.beta > 0 else ("actor",)
 
     def allow(layout: Layout) -> bool:
-        return _runnable(layout) and not layout.activation_checkpointing
+        return _runnable(layout, config) and not layout.activation_checkpointing
 
     from hf_verl.planner.plan import PlanError
 
@@ -206,6 +242,7 @@ def apply_facade_plan(config: Any, model: Any):
         result = plan(model, num_devices=world, device_memory_gib=memory,
                       seq_len=prompt + config.max_completion_length, completion_len=config.max_completion_length,
                       roles=roles, global_batch=rows * world, device=device, allow=allow,
+                      host_memory_gib=_host_memory_gib(config, device),
                       precision="fp32" if device == "cpu" or config.dtype == "float32" else "bf16")
     except PlanError as err:
         if not explicit:
@@ -220,8 +257,9 @@ def apply_facade_plan(config: Any, model: Any):
     config.backend = "megatron" if lay.megatron else config.backend
     config.tensor_model_parallel_size, config.pipeline_model_parallel_size = lay.tp, lay.pp
     config.sequence_parallel_size = lay.sp
-    if lay.sharding == "fsdp2":
-        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", HF_VERL_PLANNED="1")
+    if lay.ep > 1:
+        config.expert_model_parallel_size = lay.ep
+    _apply_fsdp(lay)
     _log_once(f"TrainerConfig: parallel layout planned for {config.model_size or model} on {world} process(es):\n"
               f"{result.explain()}")
     return result

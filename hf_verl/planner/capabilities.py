@@ -17,6 +17,10 @@ it; `reasons=True` and :func:`parallelism_report` import it for real and report 
 | zero | DeepSpeed ZeRO-1/2/3 | `deepspeed` importable, as for data |
 | sequence | Ulysses sequence parallel | `sequence_parallel_size` > 1 over the launch's processes |
 | tensor / pipeline | Megatron-Core through hf_verl's bridge (`backend="megatron"`) | `megatron.core` importable (and hf_verl's engine with it), as for data |
+
+What each engine implements beyond its parallel axes (LoRA adapters, CPU offload, expert parallelism) is one table,
+:data:`ENGINE_FEATURES`, read through :func:`engine_runs`: the layout planner offers only what it says an engine
+runs, so the day an engine gains a feature, one line here makes the planner offer it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,31 @@ from dataclasses import dataclass
 from hf_verl.parallel.megatron import megatron_core_found
 
 PARALLELISMS = ("data", "fsdp", "zero", "sequence", "tensor", "pipeline")
+
+# engine (a planner Layout's `engine`) -> the features hf_verl's engine of that name implements:
+#   "lora": trains PEFT / LoRA adapters (and runs the reference as the base with the adapters off)
+#   "offload": FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer states on the host, together)
+#   "offload_optimizer" / "offload_params": DeepSpeed's ZeRO-Offload of the optimizer states / ZeRO-3 parameters
+#   "sequence": Ulysses sequence parallelism
+#   "expert": expert parallelism of a Mixture-of-Experts model (Megatron's expert_model_parallel_size)
+# The Megatron engine refuses a peft_config today (engine/megatron/engine.py): its owners add "lora" here when it
+# trains adapters; its expert-parallel axis is granted by "expert" in PARALLELISMS (engine_runs) or a line here.
+ENGINE_FEATURES: dict[str, frozenset[str]] = {
+    "accelerate": frozenset({"lora", "offload", "sequence"}),
+    "deepspeed": frozenset({"lora", "offload_optimizer", "offload_params"}),
+    "megatron": frozenset(),
+}
+
+
+def engine_runs(engine: str, feature: str, features: dict[str, frozenset[str]] | None = None) -> bool:
+    """Whether hf_verl's `engine` ("accelerate", "deepspeed", "megatron") implements `feature` ("lora", "offload",
+    "offload_optimizer", "offload_params", "sequence", "expert"): :data:`ENGINE_FEATURES`, or `features` given in
+    its place (what a plan for engines other than these would assume). "expert" is also granted where
+    :data:`PARALLELISMS` names it (an expert-parallel axis added there)."""
+    table = ENGINE_FEATURES if features is None else features
+    if feature == "expert" and engine == "megatron" and "expert" in PARALLELISMS and features is None:
+        return True
+    return feature in table.get(engine, frozenset())
 
 
 @dataclass(frozen=True)

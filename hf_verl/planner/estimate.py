@@ -118,7 +118,8 @@ def estimate_memory(model: Any, args: Any, layout: Any = None, *, device: str | 
     """Per-rank bytes of a run, with the breakdown by role and term.
 
     Args:
-        model: an `nn.Module` (a `PeftModel` counts its trainable share), a `PretrainedConfig`, a Hub id / local
+        model: an `nn.Module` (a `PeftModel` counts its trainable share, and its reference as the base with the
+            adapters off: no copy of the weights), a `PretrainedConfig`, a Hub id / local
             path (config only, offline) or a size string ("7b": :data:`REFERENCE_ARCHITECTURES`).
         args: a `GRPOConfig`, `PPOConfig`, `DPOConfig` or the facade's `TrainerConfig`.
         layout: a planner [`Layout`], a [`RoleLayout`] or [`ParallelDims`]; default: the current launch.
@@ -168,8 +169,10 @@ def estimate_memory(model: Any, args: Any, layout: Any = None, *, device: str | 
         "actor": lambda: memory_breakdown(arch, lay, Workload(
             weight_bytes=wb, optimizer=w["optimizer"], trainable_fraction=fraction, rollout_weight_bytes=rollout_bytes,
             **common), role="actor"),
+        # a LoRA actor's reference is its base with the adapters off (hf_verl's trainers): no copy of the weights
         "reference": lambda: memory_breakdown(arch, frozen, Workload(trainable=False, weight_bytes=2 if low else 4,
-                                                                     **common), role="reference"),
+                                                                     shares_weights=fraction < 1, **common),
+                                              role="reference"),
         "critic": lambda: memory_breakdown(arch, lay, Workload(weight_bytes=wb, optimizer=w["optimizer"],
                                                                value_head=True, **common), role="critic"),
     }

@@ -4,7 +4,8 @@
 What a rank holds during a training step (each term is one line of :func:`memory_breakdown`):
 
 - **weights**: parameters in their stored dtype, divided by the axes that split them (tp x pp always; the
-  data-parallel shards under FSDP2 / ZeRO-3), plus one gathered layer (two with prefetch) under FSDP2 / ZeRO-3;
+  data-parallel shards under FSDP2 / ZeRO-3; a Mixture-of-Experts model's routed experts also by the expert-parallel
+  degree `ep`), plus one gathered layer (two with prefetch) under FSDP2 / ZeRO-3;
 - **gradients**: one per trainable parameter (fp32 under hf_verl's engines; Megatron keeps a contiguous fp32
   buffer), divided by dp under ZeRO-2/3 and FSDP2;
 - **optimizer states**: AdamW's two moments (8 bytes a parameter; 2 for 8-bit AdamW, 0 for SGD) plus an fp32
@@ -12,14 +13,16 @@ What a rank holds during a training step (each term is one line of :func:`memory
   distributed optimizer; offloaded states leave the device (on a CPU-only run they stay in the same RSS);
 - **activations**: bytes saved for backward per token per layer (the tensors a Llama layer saves: the two norms'
   inputs and outputs, q / k / v after RoPE, the attention output and o_proj's input, the gated MLP's four
-  intermediates), divided by sp and, for the sharded linear layers, tp; with activation checkpointing only each
+  intermediates; an MoE layer's MLP terms are those of the experts a token is routed to, plus the token dispatch's
+  copies and the router's fp32 scores), divided by sp and, for the sharded linear layers, tp; with activation
+  checkpointing only each
   layer's input is kept, plus one layer recomputed; a pipeline stage holds its layers' activations for `pp`
   micro-batches in flight (1F1B);
 - **logits**: scored positions x vocabulary in fp32, three copies (logits, exponentials, gradient) of one chunk
   when log-probs are chunked (hf_verl's default), or of every position when not;
 - **frozen roles**: a reference / reward model's weights on the same layout (no gradients, no states) and one
   layer's forward temporaries; a colocated rollout engine's own copy of the weights (per tensor-parallel group)
-  and its KV cache;
+  and its KV cache; a LoRA actor's reference is its base with the adapters off: its forward, no weights of its own;
 - **communication buckets**: DDP's gradient buckets (a copy of every gradient, torch's default), DeepSpeed's
   reduce / all-gather buckets, FSDP2's reduce-scatter buffer of one layer;
 - **runtime baseline**: the process itself (Python, torch, transformers, the engine's libraries; a CUDA context
@@ -64,7 +67,10 @@ class Layout:
     Args:
         dp (`int`): data-parallel ranks. sharding (`str`): "none" (plain / DDP), "zero1", "zero2", "zero3" or
             "fsdp2" (what the data-parallel ranks shard). tp / pp / sp (`int`): tensor, pipeline and sequence
-            (Ulysses) degrees. megatron (`bool`): run by the Megatron engine (implied by tp or pp above 1).
+            (Ulysses) degrees. megatron (`bool`): run by the Megatron engine (implied by tp, pp or ep above 1).
+        ep (`int`): expert-parallel degree of a Mixture-of-Experts model (Megatron's `expert_model_parallel_size`):
+            each routed expert lives on one of `ep` ranks carved out of the data-parallel ones (ep divides dp), the
+            tokens reach it through the token dispatcher's all-to-all.
         offload_optimizer / offload_params (`bool`): optimizer states (and master weights) / parameters in host
             memory. activation_checkpointing (`bool`): recompute each layer in backward.
         micro_batch_size (`int`): rows per forward on one data-parallel rank.
@@ -76,6 +82,7 @@ class Layout:
     pp: int = 1
     sp: int = 1
     megatron: bool = False
+    ep: int = 1
     offload_optimizer: bool = False
     offload_params: bool = False
     activation_checkpointing: bool = False
@@ -84,12 +91,15 @@ class Layout:
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
             raise ValueError(f"Layout.sharding must be one of {SHARDINGS}, got {self.sharding!r}.")
-        for name in ("dp", "tp", "pp", "sp", "micro_batch_size"):
+        for name in ("dp", "tp", "pp", "sp", "ep", "micro_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Layout.{name} must be an int >= 1, got {value!r}.")
-        if (self.tp > 1 or self.pp > 1) and not self.megatron:
+        if (self.tp > 1 or self.pp > 1 or self.ep > 1) and not self.megatron:
             object.__setattr__(self, "megatron", True)
+        if self.dp % self.ep:
+            raise ValueError(f"Layout.ep={self.ep} must divide dp={self.dp}: expert-parallel ranks are carved out of the "
+                             "data-parallel ones (Megatron's expert_model_parallel_size).")
         if self.megatron and self.sharding in ("zero2", "zero3", "fsdp2"):
             raise ValueError("a Megatron layout shards optimizer states only (sharding 'zero1', its distributed "
                              f"optimizer) or nothing; got sharding={self.sharding!r}.")
@@ -113,7 +123,7 @@ class Layout:
             parts.append({"fsdp2": "FSDP2", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[self.sharding])
         elif self.dp > 1:
             parts.append("DDP")
-        parts += [f"{a}={getattr(self, a)}" for a in ("tp", "pp", "sp") if getattr(self, a) > 1]
+        parts += [f"{a}={getattr(self, a)}" for a in ("tp", "pp", "ep", "sp") if getattr(self, a) > 1]
         if self.offload_optimizer or self.offload_params:
             parts.append("offload " + "+".join(n for n, on in (("params", self.offload_params),
                                                                 ("optimizer", self.offload_optimizer)) if on))
@@ -135,6 +145,8 @@ class Workload:
         weight_bytes (`int`): bytes per stored parameter (4 fp32, 2 bf16). compute_bytes (`int`): bytes per
             activation element (2 under bf16 autocast / param_dtype, else 4).
         optimizer (`str`): a key of OPTIMIZERS. trainable_fraction (`float`): LoRA's share of trained parameters.
+        shares_weights (`bool`): a frozen role that runs on another role's weights (a LoRA actor's reference: the
+            base with the adapters off): its forward is counted, no weights of its own.
         logprob_chunk (`int`, *optional*): positions per log-prob chunk; `None` scores all positions at once.
         value_head (`bool`): a critic / reward model (a 1-wide head, no vocabulary logits).
         rollout_weight_bytes (`int`): bytes per parameter of a colocated rollout engine's own weights (0: it
@@ -154,6 +166,7 @@ class Workload:
     compute_bytes: int = 4
     optimizer: str = "adamw"
     trainable_fraction: float = 1.0
+    shares_weights: bool = False
     logprob_chunk: int | None = 1024
     value_head: bool = False
     rollout_weight_bytes: int = 0
@@ -253,8 +266,18 @@ def activation_elements_per_token_layer(arch: Architecture, tp: int = 1) -> floa
     input and normalised output (4h), q and k after RoPE and v (q_dim + 2 kv_dim), the attention output and
     o_proj's contiguous input (2 q_dim), and the gated MLP's gate, silu(gate), up and product (4 i). Under tensor
     parallelism the attention and MLP terms are split over tp; the norms' are not (no sequence parallelism in the
-    Megatron engine here)."""
-    split = (3 * arch.q_dim + 2 * arch.kv_dim + 4 * arch.intermediate) / tp
+    Megatron engine here).
+
+    An MoE layer (the average over layers where some are dense): its MLP terms are those of the routed experts a
+    token goes to and the shared experts (`4 x mlp_width_per_token`), plus the dispatch's copies of the token per
+    routed expert (its gathered input and weighted output, `2 x k x h`) and the router's logits and fp32
+    probabilities (`2 x experts`)."""
+    if arch.is_moe:
+        moe = 4 * arch.mlp_width_per_token + 2 * arch.experts_per_token * arch.hidden + 2 * arch.experts
+        mlp = (arch.moe_layers * moe + (arch.layers - arch.moe_layers) * 4 * arch.intermediate) / arch.layers
+    else:
+        mlp = 4 * arch.intermediate
+    split = (3 * arch.q_dim + 2 * arch.kv_dim + mlp) / tp
     return 4 * arch.hidden + split
 
 
@@ -275,13 +298,22 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
     c = est.components
     P = arch.params
     mp = layout.tp * layout.pp  # model-parallel split of every parameter (stage imbalance: embeddings below)
-    # a pipeline's first / last stage also holds the embedding / LM head: the busiest stage
-    if layout.pp > 1:
-        stage_params = (arch.layers // layout.pp) * arch.layer_params + (arch.embedding_params if arch.tied else
-                                                                           arch.embedding_params // 2)
-        local = stage_params / layout.tp
-    else:
-        local = P / mp
+    # the routed experts' share, split further over ep (scaled to an exact count when a module was given)
+    experts = arch.expert_params * P / (arch.body_params + arch.embedding_params + arch.hidden) if arch.is_moe else 0
+    ep_saved = experts * (1 - 1 / layout.ep)
+
+    def on_rank(saved: float) -> float:
+        # a pipeline's first / last stage also holds the embedding / LM head: the busiest stage
+        if layout.pp > 1:
+            stage_params = (arch.layers // layout.pp) * (arch.body_params - saved) / arch.layers + (
+                arch.embedding_params if arch.tied else arch.embedding_params // 2)
+            return stage_params / layout.tp
+        return (P - saved) / mp
+
+    local = on_rank(ep_saved)
+    # Megatron's distributed optimizer shards an expert's states over the expert-data-parallel ranks (dp / ep):
+    # the states per rank are those of the rank's parameters without EP, divided by dp
+    state_local = on_rank(0) if layout.ep > 1 and layout.sharding != "none" else local
     shard_params = layout.sharding in ("zero3", "fsdp2")
     # FSDP2 shards over the data-parallel ranks and, with Ulysses SP, the sequence-parallel ranks too (hf_verl's
     # fsdp_mesh flattens dp_shard x sp); DeepSpeed shards over the data-parallel ranks
@@ -299,7 +331,10 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
         (est.resident.append(key) if resident else est.transient_groups[group].append(key))
 
     # ---- weights (+ one gathered layer, two with prefetch, under FSDP2 / ZeRO-3)
-    put("weights", local * wb / dp_shard, offloaded=layout.offload_params)
+    if work.shares_weights:
+        est.notes.append(f"{role}: runs on the actor's base weights with the adapters off (no copy)")
+    else:
+        put("weights", local * wb / dp_shard, offloaded=layout.offload_params)
     if shard_params and shard_n > 1:
         put("gathered layers", 2 * arch.layer_params * cb * (shard_n - 1) / shard_n, resident=False)
     if work.rollout_weight_bytes:
@@ -313,7 +348,7 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
         grad_shard = shard_n if layout.sharding in ("zero2", "zero3", "fsdp2") else 1
         state_shard = shard_n if layout.sharding != "none" else 1
         master = 4 if wb < 4 else 0  # fp32 master weights beside low-precision parameters
-        states = trained * (OPTIMIZERS[work.optimizer] + master) / state_shard
+        states = state_local * work.trainable_fraction * (OPTIMIZERS[work.optimizer] + master) / state_shard
         put("optimizer states", states, offloaded=layout.offload_optimizer)
         if layout.sharding == "fsdp2" and work.grad_accumulation > 1:
             grad_shard = 1  # hf_verl defers FSDP2's reduce-scatter: unsharded gradients accumulate
@@ -322,7 +357,11 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
         grads = trained * 4 / grad_shard
         # Megatron keeps a contiguous gradient buffer; DDP's buckets hold a copy of every gradient (below), but the
         # gradients themselves are freed at zero_grad and rebuilt in backward as the activations are freed
-        put("gradients", grads, resident=layout.megatron or layout.sharding in ("zero1", "zero2", "zero3"))
+        # offloaded optimizer states take their gradient partition along (ZeRO-Offload's fp32 gradient partition,
+        # FSDP2's CPUOffloadPolicy); FSDP2's unsharded gradients under accumulation stay on the device
+        grads_out = layout.offload_optimizer and layout.sharding != "none" and grad_shard == shard_n
+        put("gradients", grads, resident=layout.megatron or layout.sharding in ("zero1", "zero2", "zero3"),
+            offloaded=grads_out)
         if layout.dp * layout.sp > 1 and layout.sharding == "none" and not layout.megatron:
             put("DDP gradient buckets", trained * 4)  # DDP spans the sequence-parallel ranks too
         elif layout.sharding in ("zero1", "zero2", "zero3"):
@@ -332,7 +371,8 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
         if layout.sharding.startswith("zero") and wb == 4:
             put("ZeRO fp32 partition", trained * 4 / state_shard)  # DeepSpeed clones its partition in fp32
         # the optimizer step's own transient: the largest parameter's update temporaries (per-tensor AdamW)
-        largest = max(arch.vocab * arch.hidden / layout.tp, arch.hidden * arch.intermediate / layout.tp)
+        largest = max(arch.vocab * arch.hidden, arch.hidden * arch.intermediate,
+                      2 * arch.experts / layout.ep * arch.expert_intermediate * arch.hidden) / layout.tp
         put("optimizer step temporaries", 2 * largest * 4 / state_shard if OPTIMIZERS[work.optimizer] else 0,
             resident=False, group="optimizer")
 
@@ -367,7 +407,7 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
         heads = arch.heads / (layout.tp * layout.sp)
         put("attention scores (one layer)", 3 * 4 * layout.micro_batch_size * heads * work.seq_len ** 2,
             resident=False)
-    if trained and not (layout.megatron or layout.sharding in ("zero1", "zero2", "zero3")):
+    if trained and f"{role} gradients" in est.transient_groups["step"]:
         # gradients are freed at zero_grad and grow as the activations are freed: the backward's end and the
         # optimizer step hold them with the step's temporaries, instead of the activations
         est.transient_groups["step"].remove(f"{role} gradients")

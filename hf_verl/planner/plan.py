@@ -5,8 +5,14 @@ shape allows on `num_devices`, each rated by the memory model (must fit the devi
 Limits applied before any arithmetic: tensor parallelism divides the query and the key-value heads (Megatron
 splits query groups) and stays within a node; the vocabulary is padded to a multiple of 128 x tp (Megatron's
 padding); pipeline stages divide the layers; Ulysses SP divides the query heads (so SP <= heads) and is not
-combined with the Megatron engine. All roles are colocated on the same processes (hf_verl's model: the launch's
-processes hold every role), so their per-rank memory adds up.
+combined with the Megatron engine; expert parallelism (a Mixture-of-Experts model on the Megatron engine) divides
+the data-parallel ranks and the routed experts. All roles are colocated on the same processes (hf_verl's model: the
+launch's processes hold every role), so their per-rank memory adds up.
+
+Only layouts an engine runs are offered: :data:`~hf_verl.planner.capabilities.ENGINE_FEATURES` says which engine
+trains LoRA adapters, offloads to the host and runs expert parallelism (:func:`_offered`, the one rule). A LoRA
+actor's reference is its base with the adapters off: its forward is counted, never a copy of its weights. Host
+memory (`host_memory_gib`, per node) bounds what offloading may move there.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hf_verl.planner.architectures import Architecture, resolve_architecture
+from hf_verl.planner.capabilities import engine_runs
 from hf_verl.planner.memory import (
     OPTIMIZERS,
     GiB,
@@ -33,6 +40,9 @@ __all__ = ["Plan", "RolePlan", "PlanError", "plan", "DEFAULT_ROLES"]
 DEFAULT_ROLES = {"grpo": ("actor", "reference"), "ppo": ("actor", "critic", "reference"), "dpo": ("actor", "reference")}
 TRAINED = ("actor", "critic")
 MAX_MICRO_BATCH = 64
+# a GPU rank's own host memory besides what it offloads: Python, torch, the CUDA / NCCL host libraries and pinned
+# staging buffers (an assumption, not measured here: no GPU machine was measured for it)
+HOST_PROCESS_BYTES = 4 * GiB
 
 
 class PlanError(ValueError):
@@ -61,6 +71,7 @@ class Plan:
         binding (`str`): the binding constraint, with the numbers.
         rejected (`list[tuple[str, str]]`): (layout, reason) for the best layout of each other family.
         notes (`list[str]`): departures from the seed article and runnability notes.
+        host_per_node (`int`): host bytes per node the layout needs (offloaded terms + each rank's process).
     """
 
     roles: dict[str, RolePlan]
@@ -74,6 +85,7 @@ class Plan:
     rejected: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     hardware: Hardware = H100
+    host_per_node: int = 0
 
     @property
     def layout(self) -> Layout:
@@ -107,6 +119,7 @@ class Plan:
         lay = self.layout
         return {"backend": "megatron" if lay.megatron else None, "tensor_model_parallel_size": lay.tp,
                 "pipeline_model_parallel_size": lay.pp, "sequence_parallel_size": lay.sp,
+                "expert_model_parallel_size": lay.ep,
                 "gradient_checkpointing": lay.activation_checkpointing,
                 "per_device_train_batch_size": lay.micro_batch_size}
 
@@ -141,6 +154,24 @@ def _shapes(arch: Architecture, n: int, devices_per_node: int) -> list[tuple[int
     return out
 
 
+def _offered(layout: Layout, arch: Architecture, lora: bool, features: Any = None) -> bool:
+    """Whether hf_verl's engine for `layout` runs it (capabilities.ENGINE_FEATURES): LoRA adapters, offload,
+    Ulysses SP and expert parallelism each need their engine's feature."""
+    engine = layout.engine
+    needs = ["lora"] if lora else []
+    if layout.offload_params or layout.offload_optimizer:
+        if engine == "accelerate":
+            needs.append("offload")
+        else:
+            needs += (["offload_optimizer"] if layout.offload_optimizer else []) + (
+                ["offload_params"] if layout.offload_params else [])
+    if layout.sp > 1:
+        needs.append("sequence")
+    if layout.ep > 1:
+        needs.append("expert")
+    return all(engine_runs(engine, f, features) for f in needs)
+
+
 def _candidates(arch: Architecture, n: int, devices_per_node: int):
     for tp, pp, sp, dp in _shapes(arch, n, devices_per_node):
         megatron = tp > 1 or pp > 1
@@ -150,14 +181,20 @@ def _candidates(arch: Architecture, n: int, devices_per_node: int):
             options = [("none", False, False)]
             if dp > 1:
                 options += [("zero2", False, False), ("zero2", True, False)]
-            if dp * sp > 1:  # FSDP2 shards over dp x sp
+            if dp * sp > 1:  # FSDP2 shards over dp x sp; its CPU offload moves parameters and states together
                 options += [("fsdp2", False, False), ("fsdp2", True, True)]
             if dp > 1:
-                options += [("zero3", False, False)]
-        for sharding, off_opt, off_par in options:
-            for ckpt in (False, True):
-                yield Layout(dp=dp, sharding=sharding, tp=tp, pp=pp, sp=sp, megatron=megatron,
-                             offload_optimizer=off_opt, offload_params=off_par, activation_checkpointing=ckpt)
+                options += [("zero3", False, False), ("zero3", True, False), ("zero3", True, True)]
+        # expert parallelism: on the Megatron engine, ep dividing dp and the routed experts
+        eps = [1]
+        if arch.is_moe and sp == 1 and dp > 1:
+            eps += [e for e in _divisors(dp) if e > 1 and arch.experts % e == 0]
+        for ep in eps:
+            opts = options if ep == 1 else [("zero1", False, False)]
+            for sharding, off_opt, off_par in opts:
+                for ckpt in (False, True):
+                    yield Layout(dp=dp, sharding=sharding, tp=tp, pp=pp, sp=sp, megatron=megatron or ep > 1, ep=ep,
+                                 offload_optimizer=off_opt, offload_params=off_par, activation_checkpointing=ckpt)
 
 
 @dataclass
@@ -173,6 +210,9 @@ class _Inputs:
     hw: Hardware
     device_bytes: float
     device: str = "cuda"
+    host_bytes: float | None = None
+    features: Any = None
+    shares_base: tuple[str, ...] = ()  # frozen roles that run on the actor's base weights (LoRA: adapters off)
 
 
 def _role_memory(inp: _Inputs, layout: Layout) -> dict[str, MemoryEstimate]:
@@ -189,6 +229,7 @@ def _role_memory(inp: _Inputs, layout: Layout) -> dict[str, MemoryEstimate]:
                         compute_bytes=2 if low else 4, optimizer=inp.optimizer,
                         trainable_fraction=inp.trainable_fraction if role == "actor" else 1.0,
                         value_head=role in ("critic", "reward"), device=inp.device,
+                        shares_weights=role in inp.shares_base,
                         rollout_weight_bytes=(2 if low else 4) if (role == "actor" and inp.rollout) else 0,
                         grad_accumulation=max(1, rows // layout.micro_batch_size),
                         loading="sharded" if inp.device != "cpu" else "full")
@@ -205,8 +246,15 @@ def _total(mems: dict[str, MemoryEstimate]) -> MemoryEstimate:
     return total
 
 
+def _host_per_node(inp: _Inputs, layout: Layout, total: MemoryEstimate) -> float:
+    """Host bytes per node: each of the node's ranks holds its offloaded terms and its own process."""
+    ranks = min(layout.world_size, inp.hw.devices_per_node)
+    return ranks * (sum(total.host.values()) + HOST_PROCESS_BYTES)
+
+
 def _fit(inp: _Inputs, layout: Layout):
-    """The layout with the largest power-of-two micro-batch that fits, its memory and step; None if none fits."""
+    """The layout with the largest power-of-two micro-batch that fits, its memory and step; None if none fits.
+    A layout whose offloaded terms exceed the host memory does not fit (the miss carries the reason)."""
     rows = max(1, inp.global_rows // layout.dp)
     best = None
     mbs = 1
@@ -218,6 +266,8 @@ def _fit(inp: _Inputs, layout: Layout):
         total = _total(mems)
         if total.peak_bytes > inp.device_bytes:
             return best, ((cand, total) if best is None else None)
+        if inp.host_bytes is not None and inp.device != "cpu" and _host_per_node(inp, cand, total) > inp.host_bytes:
+            return best, ((cand, total) if best is None else None)
         best = (cand, mems, total)
         mbs *= 2
     return best, None
@@ -225,7 +275,8 @@ def _fit(inp: _Inputs, layout: Layout):
 
 def _family(layout: Layout) -> str:
     if layout.megatron:
-        return "Megatron " + " x ".join(f"{a.upper()}={getattr(layout, a)}" for a in ("tp", "pp") if getattr(layout, a) > 1)
+        return "Megatron " + " x ".join(f"{a.upper()}={getattr(layout, a)}" for a in ("ep", "tp", "pp")
+                                        if getattr(layout, a) > 1)
     name = {"none": "DDP" if layout.dp > 1 else "one device", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
             "fsdp2": "FSDP2"}[layout.sharding]
     if layout.offload_optimizer:
@@ -255,11 +306,13 @@ def _states_sentence(inp: _Inputs) -> tuple[str, float]:
     gradients, fp32 master weights, the optimizer's states: 16 bytes a parameter with AdamW; fp32: 4 + 4 + states)."""
     arch = inp.archs["actor"]
     per = (4 + 4 if inp.precision == "fp32" else 2 + 2 + 4) + OPTIMIZERS[inp.optimizer]
+    moe = (f", a Mixture-of-Experts model with {arch.active_params / 1e9:.2f}B parameters active per token "
+           f"({arch.experts_per_token} of {arch.experts} routed experts)" if arch.is_moe else "")
     frozen = 4 if inp.precision == "fp32" else 2
     trained = arch.params * inp.trainable_fraction
     total = (arch.params - trained) * frozen + trained * per
     what = "full fine-tuning" if inp.trainable_fraction >= 1 else f"{inp.trainable_fraction:.1%} of it trained"
-    return (f"{arch.params / 1e9:.2f}B-parameter actor ({arch.source}), {what} with {inp.optimizer} in "
+    return (f"{arch.params / 1e9:.2f}B-parameter actor ({arch.source}{moe}), {what} with {inp.optimizer} in "
             f"{inp.precision}: {_bytes(total)} of weights, gradients and optimizer states "
             f"({per} bytes a trained parameter)"), total
 
@@ -271,7 +324,8 @@ def _bytes(b: float) -> str:
 def plan(model: Any, *, num_devices: int, device_memory_gib: float, seq_len: int, algo: str = "grpo",
          roles: Any = None, global_batch: int = 256, completion_len: int | None = None, precision: str = "bf16",
          optimizer: str = "adamw", trainable_fraction: float = 1.0, rollout: bool = True,
-         hardware: Hardware = H100, device: str = "cuda", allow: Any = None) -> Plan:
+         hardware: Hardware = H100, device: str = "cuda", allow: Any = None,
+         host_memory_gib: float | None = None, features: Any = None) -> Plan:
     """Choose and explain a layout for `model` on `num_devices` devices of `device_memory_gib` each.
 
     Args:
@@ -288,6 +342,11 @@ def plan(model: Any, *, num_devices: int, device_memory_gib: float, seq_len: int
         device (`str`): "cuda" (device memory; offloading frees it) or "cpu" (this machine: host RSS per process).
         allow (`Callable[[Layout], bool]`, *optional*): only layouts it accepts are considered (what a launch can
             run, or an explicit layout whose micro-batch is to be sized).
+        host_memory_gib (`float`, *optional*): host RAM per node (shared by the node's ranks): a layout that
+            offloads more than it holds, with each rank's own process (`HOST_PROCESS_BYTES`), is rejected. `None`:
+            not checked (the plan's note states what offloading needs).
+        features (`dict[str, frozenset[str]]`, *optional*): what each engine runs, in place of
+            `capabilities.ENGINE_FEATURES` (a plan for engines as they will be, e.g. the Megatron engine with "expert").
 
     Returns:
         [`Plan`].
@@ -311,8 +370,18 @@ def plan(model: Any, *, num_devices: int, device_memory_gib: float, seq_len: int
     if "actor" not in named:
         named = {"actor": None, **named}
     archs = {r: actor if m is None else resolve_architecture(m) for r, m in named.items()}
+    if host_memory_gib is not None and host_memory_gib <= 0:
+        raise ValueError(f"host_memory_gib must be > 0 or None, got {host_memory_gib!r}.")
+    lora = trainable_fraction < 1
+    # a LoRA actor's reference is its own base with the adapters off: no second copy of the weights
+    shares = tuple(r for r, m in named.items() if r == "reference" and m is None and lora)
     inp = _Inputs(archs, seq_len, completion_len or seq_len, precision, optimizer, trainable_fraction,
-                  global_batch, rollout and algo != "dpo", hardware, device_memory_gib * GiB, device)
+                  global_batch, rollout and algo != "dpo", hardware, device_memory_gib * GiB, device,
+                  None if host_memory_gib is None else host_memory_gib * GiB, features, shares)
+    given = allow
+
+    def allow(lay: Layout) -> bool:  # what the engines run (capabilities), and what the caller allows
+        return _offered(lay, actor, lora, features) and (given is None or given(lay))
 
     fits, misses = _search(inp, actor, num_devices, allow)
     if not fits:
@@ -333,25 +402,59 @@ def plan(model: Any, *, num_devices: int, device_memory_gib: float, seq_len: int
     biggest = max((v, k) for k, v in total.components.items() if k != "runtime baseline")
     binding = (f"{need}; the largest term per rank is {biggest[1]} at {biggest[0] / GiB:.1f} GiB; of the layouts "
                f"that fit, this one has the lowest estimated step time ({st.seconds:.2f} s)")
+    notes = _notes(inp, layout, mems, st, num_devices)
+    roles_out = {r: RolePlan(r, archs[r], layout, mems[r], st if r == "actor" else None) for r in archs}
+    result = Plan(roles_out, num_devices, device_memory_gib, seq_len, algo, total.peak_bytes, st, binding, rejected,
+                  notes, hardware, int(_host_per_node(inp, layout, total)))
+    return result
+
+
+def _notes(inp: _Inputs, layout: Layout, mems: dict[str, MemoryEstimate], st: StepTime, n: int) -> list[str]:
+    """What the chosen layout needs to run and why its MoE / LoRA / offload parts are as they are."""
+    arch = inp.archs["actor"]
     notes = []
     if layout.megatron:
-        notes.append("tensor / pipeline parallelism runs on hf_verl's Megatron engine (backend='megatron', needs "
-                     "megatron-core: pip install 'hf_verl[megatron]'); the vocabulary is padded to a multiple of "
+        notes.append("tensor / pipeline / expert parallelism runs on hf_verl's Megatron engine (backend='megatron', "
+                     "needs megatron-core: pip install 'hf_verl[megatron]'); the vocabulary is padded to a multiple of "
                      f"{128 * layout.tp}")
-        if trainable_fraction < 1:
-            notes.append("hf_verl's Megatron engine trains full weights (LoRA adapters are not bridged yet): with "
-                         "LoRA this layout is the arithmetic's answer, not yet a runnable one")
-    if layout.offload_optimizer:
-        notes.append("optimizer states (and with FSDP2 the parameters) live in host memory: "
-                     f"{sum(e.host.get(k, 0) for e in mems.values() for k in e.host) / GiB:.0f} GiB of host RAM "
-                     "across this rank's roles")
+    if arch.is_moe:
+        expert_share = arch.expert_params / arch.params
+        moe = (f"Mixture-of-Experts: {arch.params / 1e9:.2f}B parameters in total, {arch.active_params / 1e9:.2f}B "
+               f"active per token; the {arch.experts} routed experts hold {arch.expert_params / 1e9:.2f}B "
+               f"({expert_share:.0%}): memory follows the total, compute and activations the active count")
+        if layout.ep > 1:
+            a2a = st.parts.get("all-to-all (expert dispatch)", 0.0)
+            moe += (f"; expert parallelism EP={layout.ep} puts {arch.experts // layout.ep} experts on each rank, "
+                    f"dividing their weights and gradients by {layout.ep} (their optimizer states are sharded over "
+                    f"dp either way), for the token dispatcher's all-to-all of {a2a:.2f} s/step")
+        elif not engine_runs("megatron", "expert", inp.features):
+            moe += ("; expert parallelism would divide the experts over the ranks, but hf_verl's Megatron engine does "
+                    "not run it yet (capabilities.ENGINE_FEATURES['megatron'] has no 'expert'): not offered")
+        else:
+            moe += "; expert parallelism was considered and is not faster here (see rejected)"
+        notes.append(moe)
+    if inp.trainable_fraction < 1:
+        if inp.shares_base:
+            notes.append("LoRA: the reference is the actor's base with the adapters off (its forward counted, no "
+                         "copy of its weights)")
+        if not engine_runs("megatron", "lora", inp.features):
+            notes.append("LoRA: hf_verl's Megatron engine does not train adapters yet (capabilities.ENGINE_FEATURES"
+                         "['megatron'] has no 'lora'): Megatron layouts are not offered")
+    if layout.offload_optimizer or layout.offload_params:
+        host = sum(e.host.get(k, 0) for e in mems.values() for k in e.host)
+        node = _host_per_node(inp, layout, _total(mems))
+        ranks = min(layout.world_size, inp.hw.devices_per_node)
+        what = ("parameters, gradients and optimizer states (FSDP2's CPUOffloadPolicy)" if layout.engine == "accelerate"
+                else "optimizer states and gradient partitions (DeepSpeed ZeRO-Offload)" + (
+                    " and parameters" if layout.offload_params else ""))
+        held = ("" if inp.host_bytes is None else f" (the host's {inp.host_bytes / GiB:.0f} GiB holds it)")
+        notes.append(f"offload: {what} live in host memory: {host / GiB:.0f} GiB per rank, {node / GiB:.0f} GiB "
+                     f"per node of {ranks} ranks with their processes{held}"
+                     + ("; host memory not given (host_memory_gib): not checked" if inp.host_bytes is None else ""))
     if inp.rollout:
         notes.append("the colocated rollout engine keeps its own copy of the actor's weights per rank (counted); "
                      "its KV cache is released while training (vLLM sleep mode) and is not counted")
-    roles_out = {r: RolePlan(r, archs[r], layout, mems[r], st if r == "actor" else None) for r in archs}
-    result = Plan(roles_out, num_devices, device_memory_gib, seq_len, algo, total.peak_bytes, st, binding, rejected,
-                  notes, hardware)
-    return result
+    return notes
 
 
 def _search(inp: _Inputs, actor: Architecture, n: int, allow: Any) -> tuple[list, list]:
@@ -392,6 +495,10 @@ def _rejections(fits, misses, chosen: StepTime, inp: _Inputs) -> list[tuple[str,
             low[fam] = (layout, total)
     for fam, (layout, total) in sorted(low.items(), key=lambda x: x[1][1].peak_bytes):
         biggest = max((v, k) for k, v in total.components.items() if k != "runtime baseline")
+        if total.peak_bytes <= inp.device_bytes:  # refused by the host memory its offloading needs
+            out.append((layout.label, f"does not fit the host: {_host_per_node(inp, layout, total) / GiB:.0f} GiB "
+                                      f"per node > host_memory_gib={inp.host_bytes / GiB:g}"))
+            continue
         out.append((layout.label, f"does not fit: {total.peak_bytes / GiB:.1f} GiB per rank > "
                                   f"{inp.device_bytes / GiB:g} GiB (largest term: {biggest[1]} "
                                   f"{biggest[0] / GiB:.1f} GiB)"))
@@ -399,10 +506,24 @@ def _rejections(fits, misses, chosen: StepTime, inp: _Inputs) -> list[tuple[str,
 
 
 def _infeasible(inp: _Inputs, n: int, misses, actor: Architecture, allow=None) -> str:
-    layout, total = min(misses, key=lambda m: m[1].peak_bytes)
     sentence, _ = _states_sentence(inp)
-    msg = (f"no layout fits {n} x {inp.device_bytes / GiB:.3g} GiB: {sentence}; the leanest layout ({layout.label}) "
-           f"needs {total.peak_bytes / GiB:.1f} GiB per rank. ")
+    # offloading layouts that fit the devices but not the host (host_memory_gib): the host is what binds
+    host_refused = None
+    if inp.host_bytes is not None and inp.device != "cpu":
+        on_host = [(m[0], _host_per_node(inp, m[0], m[1]), m[1]) for m in misses
+                   if m[1].peak_bytes <= inp.device_bytes]
+        host_refused = min(on_host, key=lambda m: m[1], default=None)
+    if host_refused is not None:
+        layout, need, total = host_refused
+        msg = (f"no layout fits {n} x {inp.device_bytes / GiB:.3g} GiB with {inp.host_bytes / GiB:.0f} GiB of host "
+               f"memory per node: {sentence}; offloading them ({layout.label}) fits the devices "
+               f"({total.peak_bytes / GiB:.1f} GiB per rank) but needs {need / GiB:.0f} GiB of host RAM per node "
+               f"(the offloaded states of {min(layout.world_size, inp.hw.devices_per_node)} ranks and their "
+               f"processes), more than host_memory_gib={inp.host_bytes / GiB:g}. ")
+    else:
+        layout, total = min(misses, key=lambda m: m[1].peak_bytes)
+        msg = (f"no layout fits {n} x {inp.device_bytes / GiB:.3g} GiB: {sentence}; the leanest layout "
+               f"({layout.label}) needs {total.peak_bytes / GiB:.1f} GiB per rank. ")
     hints = []
     for more in (2, 4, 8, 16, 32, 64):
         if _search(inp, actor, n * more, allow)[0]:
@@ -413,6 +534,19 @@ def _infeasible(inp: _Inputs, n: int, misses, actor: Architecture, allow=None) -
     acts = sum(v for k, v in total.components.items() if k.endswith(("activations", "logits")))
     if acts > 0.25 * total.peak_bytes:
         hints.append(f"a shorter sequence (activations and logits take {acts / GiB:.1f} GiB at {inp.seq_len} tokens)")
-    if not layout.offload_optimizer and inp.device != "cpu":
+    if inp.trainable_fraction < 1 and not engine_runs("megatron", "lora", inp.features):
+        hints.append("tensor / pipeline parallelism, once hf_verl's Megatron engine trains LoRA adapters (it does not "
+                     "yet: capabilities.ENGINE_FEATURES['megatron'] has no 'lora', so no Megatron layout was offered)")
+    if actor.is_moe and not engine_runs("megatron", "expert", inp.features):
+        hints.append("expert parallelism, once hf_verl's Megatron engine runs it (capabilities.ENGINE_FEATURES"
+                     "['megatron'] has no 'expert'): it would divide the routed experts' "
+                     f"{actor.expert_params / 1e9:.1f}B parameters over the ranks")
+    biggest = max((v, k) for k, v in total.components.items() if k != "runtime baseline")
+    if biggest[1].endswith("rollout engine weights"):
+        hints.append(f"a rollout engine without its own whole copy of the weights (it takes {biggest[0] / GiB:.1f} "
+                     "GiB per rank on this layout: rollout=False, or a generator placed on other devices)")
+    if host_refused:
+        hints.append(f"more host memory: {host_refused[1] / GiB:.0f} GiB per node for {host_refused[0].label}")
+    elif not any(m[0].offload_optimizer for m in misses) and inp.device != "cpu":
         hints.append("CPU offload of the optimizer states")
     return msg + "What to add: " + ("; ".join(hints) or "more or larger devices") + "."

@@ -5,7 +5,8 @@ Per optimizer step of a data-parallel replica's `tokens`:
 
 - **compute**: `6 x parameters x tokens` FLOPs (forward 2, backward 4), `8 x` with activation checkpointing (the
   forward again), plus causal attention's `6 x layers x seq x q_dim x tokens`; split over tp x pp x sp ranks, run
-  at `flops x mfu`;
+  at `flops x mfu`; a Mixture-of-Experts model counts its active parameters (the routed experts a token goes to),
+  not its total;
 - **DDP**: one all-reduce of the gradients per step (accumulation under `no_sync`): `2 (n-1)/n x bytes`;
 - **ZeRO-1/2**: a reduce-scatter of the gradients and an all-gather of the updated weights per step;
 - **FSDP2 / ZeRO-3**: an all-gather of the weights in the forward and again in the backward of every micro-batch,
@@ -14,6 +15,10 @@ Per optimizer step of a data-parallel replica's `tokens`:
   backward (Megatron's column / row pairs);
 - **Ulysses SP**: four all-to-alls per layer in the forward (q, k, v, output) and four in the backward, each moving
   `(n-1)/n` of the local activations;
+- **expert parallel** (MoE, `ep` > 1): the token dispatcher's all-to-all, twice per MoE layer in the forward
+  (dispatch to the experts' ranks, combine back) and twice in the backward, each moving `(ep-1)/ep` of the
+  micro-batch's `tokens x experts_per_token x hidden` activations; the experts' gradients are reduced over the
+  expert-data-parallel ranks (dp / ep) only;
 - **pipeline**: the 1F1B bubble, `(pp - 1) / (micro-batches + pp - 1)` of the compute, and the stage-boundary
   sends;
 - **offload**: the gradients to the host and the weights back over PCIe, and the optimizer on the host's CPU.
@@ -102,7 +107,7 @@ def step_time(arch: Architecture, layout: Layout, *, seq_len: int, global_rows: 
     tokens = rows_per_replica * seq_len  # one replica's tokens per step
     split = layout.tp * layout.pp * layout.sp
     passes = (6 if trainable else 2)
-    dense = 2 * arch.params * tokens
+    dense = 2 * arch.active_params * tokens
     attention = 2 * arch.layers * seq_len * arch.q_dim * tokens
     rate = hw.flops * hw.mfu
     st.parts["compute"] = (dense + attention) * passes / 2 / split / rate
@@ -116,7 +121,7 @@ def step_time(arch: Architecture, layout: Layout, *, seq_len: int, global_rows: 
     bw_tp = bandwidth(1, layout.tp)
     bw_sp = bandwidth(layout.tp, layout.sp)
     bw_dp = bandwidth(layout.tp * layout.sp, layout.dp)
-    local_params = arch.params / (layout.tp * layout.pp)
+    local_params = (arch.params - arch.expert_params * (1 - 1 / layout.ep)) / (layout.tp * layout.pp)
     shard_n = layout.dp * layout.sp if layout.sharding == "fsdp2" else layout.dp  # FSDP2 shards over dp x sp
     if trainable and shard_n > 1:
         grad = local_params * 4
@@ -140,6 +145,11 @@ def step_time(arch: Architecture, layout: Layout, *, seq_len: int, global_rows: 
         local = layout.micro_batch_size * seq_len / layout.sp * (2 * arch.q_dim + 2 * arch.kv_dim) / layout.tp
         count = (2 if trainable else 1) * arch.layers / layout.pp
         st.parts["all-to-all (sequence parallel)"] = micro_batches * count * _ring(layout.sp) * local * act_bytes / bw_sp
+    if layout.ep > 1 and arch.is_moe:
+        routed = layout.micro_batch_size * seq_len / layout.sp * arch.experts_per_token * arch.hidden * act_bytes
+        count = (4 if trainable else 2) * arch.moe_layers / layout.pp
+        bw_ep = bandwidth(layout.tp, layout.ep)
+        st.parts["all-to-all (expert dispatch)"] = micro_batches * count * _ring(layout.ep) * routed / bw_ep
     if layout.pp > 1:
         bubble = (layout.pp - 1) / (micro_batches + layout.pp - 1)
         st.parts["pipeline bubble"] = bubble / (1 - bubble) * (st.parts["compute"] + st.parts.get("recompute", 0))
