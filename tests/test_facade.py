@@ -181,7 +181,7 @@ def test_supported_parallelisms_are_truthful():
 
     trainer = make_trainer()
     found, reasons = trainer.supported_parallelisms(), trainer.supported_parallelisms(reasons=True)
-    assert set(reasons) == {"data", "fsdp", "zero", "sequence", "tensor", "pipeline"}
+    assert set(reasons) == {"data", "fsdp", "zero", "sequence", "tensor", "pipeline", "expert"}
     assert found == [name for name in reasons if name in found]  # a subset, in the report's order
     if not torch.cuda.is_available():
         assert "data" in found and "fsdp" in found and "gloo" in reasons["data"]

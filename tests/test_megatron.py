@@ -31,7 +31,7 @@ from tests.distributed.megatron_logits import config, model  # noqa: E402
 
 
 # ---------------------------------------------------------------------- the bridge
-@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES if f.moe is None])  # MoE: test_megatron_moe.py
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("kind", ["causal_lm", "value"])
 def test_bridge_round_trip_is_bit_exact(family, tp, kind):

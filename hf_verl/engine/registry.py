@@ -57,17 +57,18 @@ class RoleLayout:
         """The same processes on another backend (the data-parallel axis becomes sharded or replicated)."""
         dims = ParallelDims.data_parallel(self.dims.world_size, self.dims.rank, shard=backend.shards,
                                           device_type=self.dims.device_type, tp=self.dims.tp, pp=self.dims.pp,
-                                          sp=self.dims.sp)
+                                          sp=self.dims.sp, ep=self.dims.ep)
         return replace(self, backend=backend, dims=dims)
 
 
 def launch_role_layout(num_processes: int | None = None, *, sequence_parallel_size: int = 1,
                        tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                       engine: str | None = None) -> RoleLayout:
+                       engine: str | None = None, expert_parallel_size: int = 1) -> RoleLayout:
     """The launch's default layout: its backend (checked against the machine) and the `ParallelDims` of the
     processes it started, with the model-parallel axes given (the processes left are data-parallel ranks).
     `engine="megatron"` lays every role out on Megatron-Core (tensor / pipeline parallel, data-parallel
-    replicas with a distributed optimizer) instead of the launch's DDP / FSDP2 / ZeRO.
+    replicas with a distributed optimizer; a Mixture of Experts' experts over `expert_parallel_size` of those
+    replicas) instead of the launch's DDP / FSDP2 / ZeRO.
 
     `num_processes` is the processes the caller's `Accelerator` sees (default: the launch's `WORLD_SIZE`). Called
     before anything formed the launch's process group (a script laying roles out by hand, docs/loading.md), it
@@ -89,13 +90,14 @@ def launch_role_layout(num_processes: int | None = None, *, sequence_parallel_si
                          f"pipeline_model_parallel_size={pipeline_parallel_size}) needs megatron-core, which is not "
                          "installed: pip install 'hf_verl[megatron]', or set both sizes to 1 (data, FSDP2, ZeRO and "
                          "sequence parallelism run without it).")
-    if not megatron and (tensor_parallel_size > 1 or pipeline_parallel_size > 1):
-        raise ValueError("tensor_model_parallel_size / pipeline_model_parallel_size above 1 need backend='megatron'.")
+    if not megatron and (tensor_parallel_size > 1 or pipeline_parallel_size > 1 or expert_parallel_size > 1):
+        raise ValueError("tensor_model_parallel_size / pipeline_model_parallel_size / expert_model_parallel_size above "
+                         "1 need backend='megatron'.")
     if megatron:
         from hf_verl.parallel.megatron.launch import megatron_layout
 
         dims, backend = megatron_layout(num_processes, tensor_parallel_size, pipeline_parallel_size,
-                                        sequence_parallel_size)
+                                        sequence_parallel_size, ep=expert_parallel_size)
         return RoleLayout(backend=backend, dims=dims, engine="megatron")
     ready = dist.is_available() and dist.is_initialized()
     backend = resolve_backend(world, ready and num_processes == world)

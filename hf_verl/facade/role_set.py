@@ -96,7 +96,7 @@ class FacadeRoles:
             from accelerate.utils import InitProcessGroupKwargs
 
             from hf_verl.parallel.backend import check_accelerate_parallelism
-            from hf_verl.parallel.megatron.launch import resolve_megatron_settings
+            from hf_verl.parallel.megatron.launch import resolve_expert_parallel_size, resolve_megatron_settings
 
             check_accelerate_parallelism()  # before accelerate builds groups of its own
             self._plan_layout()
@@ -104,12 +104,13 @@ class FacadeRoles:
             backend, tp, pp = resolve_megatron_settings(  # an accelerate MEGATRON_LM launch is hf_verl's to run
                 "TrainerConfig", cfg.backend, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                 cfg.sequence_parallel_size)
+            ep = resolve_expert_parallel_size("TrainerConfig", backend, cfg.expert_model_parallel_size)
             accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[
                 InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))])
             # a rank stalled past ddp_timeout is named instead of hanging; the process group is left cleanly at exit
             watchdog.start(cfg.ddp_timeout)
             layout = launch_role_layout(accelerator.num_processes, sequence_parallel_size=cfg.sequence_parallel_size,
-                                        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                        tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
                                         engine="megatron" if backend == "megatron" else None)
             self.builder.launch, self.builder.accelerator = layout, accelerator
             self._layout = (layout, accelerator)

@@ -208,7 +208,7 @@ class Trainer:
 
     def supported_parallelisms(self, reasons: bool = False) -> list[str] | dict[str, str]:
         """The parallelisms this installation and machine can run now: "data" (DDP), "fsdp" (FSDP2),
-        "zero" (DeepSpeed), "sequence", "tensor", "pipeline" (see :mod:`hf_verl.planner.capabilities`).
+        "zero" (DeepSpeed), "sequence", "tensor", "pipeline", "expert" (see :mod:`hf_verl.planner.capabilities`).
 
         Args:
             reasons (`bool`): return `{name: reason}` for every parallelism instead, the reason saying

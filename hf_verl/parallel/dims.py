@@ -33,6 +33,9 @@ class ParallelDims:
         dp_shard (`int`): data-parallel shards (FSDP2, DeepSpeed ZeRO).
         tp (`int`): tensor-parallel degree. pp (`int`): pipeline stages. sp (`int`): sequence-parallel
             (Ulysses) degree.
+        ep (`int`): expert-parallel degree (Megatron Mixture-of-Experts): not a mesh axis of its own, the routed
+            experts are split over `ep` data-parallel ranks (Megatron-Core's expert grid with expert TP = `tp`),
+            so it must divide the data-parallel size.
         world_size (`int`): number of processes; must equal the product of the axes.
         rank (`int`): this process's global rank.
         device_type (`str`): "cpu" or "cuda"; the device kind of the mesh (gloo or NCCL).
@@ -49,6 +52,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    ep: int = 1
     world_size: int = 1
     rank: int = 0
     device_type: str = "cpu"
@@ -66,15 +70,21 @@ class ParallelDims:
                 f"the parallel layout {sizes} = {product} processes does not match the {self.world_size} launched; "
                 "change the launch's process count or the parallel sizes so that their product is the world size."
             )
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise ValueError(f"ParallelDims.ep must be an int >= 1, got {self.ep!r}.")
+        if (self.dp_replicate * self.dp_shard) % self.ep:
+            raise ValueError(f"expert_model_parallel_size={self.ep} must divide the data-parallel size "
+                             f"{self.dp_replicate * self.dp_shard} (the processes left after tp x pp x sp): experts "
+                             "are split over data-parallel ranks; launch more processes or lower it.")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size} processes.")
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def data_parallel(cls, world_size: int, rank: int, *, shard: bool, device_type: str = "cpu",
-                      tp: int = 1, pp: int = 1, sp: int = 1) -> ParallelDims:
+                      tp: int = 1, pp: int = 1, sp: int = 1, ep: int = 1) -> ParallelDims:
         """The layout where every process not used by tp / pp / sp is a data-parallel rank,
-        replicated (DDP, `shard=False`) or sharded (FSDP2 / ZeRO, `shard=True`)."""
+        replicated (DDP, `shard=False`) or sharded (FSDP2 / ZeRO, `shard=True`); `ep` splits experts over them."""
         model_parallel = tp * pp * sp
         if world_size % model_parallel:
             raise ValueError(
@@ -82,7 +92,7 @@ class ParallelDims:
                 f"{tp} x {pp} x {sp} = {model_parallel}; launch a multiple of {model_parallel} processes."
             )
         dp = world_size // model_parallel
-        return cls(dp_replicate=1 if shard else dp, dp_shard=dp if shard else 1, tp=tp, pp=pp, sp=sp,
+        return cls(dp_replicate=1 if shard else dp, dp_shard=dp if shard else 1, tp=tp, pp=pp, sp=sp, ep=ep,
                    world_size=world_size, rank=rank, device_type=device_type)
 
     @classmethod

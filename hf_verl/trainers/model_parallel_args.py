@@ -1,5 +1,5 @@
 """`ModelParallelArguments`: the Megatron fields the three trainer configs share (`backend`,
-`tensor_model_parallel_size`, `pipeline_model_parallel_size`).
+`tensor_model_parallel_size`, `pipeline_model_parallel_size`, `expert_model_parallel_size`).
 
 Two ways to ask for Megatron-Core tensor / pipeline parallelism, the same result:
 
@@ -7,7 +7,8 @@ Two ways to ask for Megatron-Core tensor / pipeline parallelism, the same result
   (under `torchrun` or any `accelerate launch` config that starts the processes);
 - in the launch: an accelerate config with `distributed_type: MEGATRON_LM` and its `megatron_lm_config`
   (`megatron_lm_tp_degree`, `megatron_lm_pp_degree`; `configs/accelerate/megatron_tp2*.yaml`), which accelerate
-  exports as `ACCELERATE_USE_MEGATRON_LM` / `MEGATRON_LM_TP_DEGREE` / `MEGATRON_LM_PP_DEGREE`.
+  exports as `ACCELERATE_USE_MEGATRON_LM` / `MEGATRON_LM_TP_DEGREE` / `MEGATRON_LM_PP_DEGREE` (and, for a
+  Mixture of Experts, `megatron_lm_expert_model_parallel_size` as `MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE`).
 
 hf_verl's own engine (:mod:`hf_verl.parallel.megatron`) runs the layout, so the launch's request is read here and
 accelerate's Megatron-LM plugin (which expects the Megatron-LM training scripts and GPUs) is switched off: the
@@ -43,6 +44,9 @@ class ModelParallelArguments:
         "Megatron tensor-parallel degree (backend='megatron'); must divide the attention and key-value heads."))
     pipeline_model_parallel_size: int = setting_field("pipeline_model_parallel_size", None, (
         "Megatron pipeline stages (backend='megatron'); must divide the layers."))
+    expert_model_parallel_size: int = setting_field("expert_model_parallel_size", None, (
+        "Megatron expert-parallel degree (backend='megatron', a Mixture-of-Experts model): the routed experts split "
+        "over this many data-parallel ranks; must divide the experts and the data-parallel size."))
     parallel: str | None = setting_field("parallel", None, (
         "'auto': hf_verl's planner chooses the layout (tp / pp / sp, FSDP2, activation checkpointing, micro-batch) "
         "for this launch's processes from model_size, logged once; an explicit layout in this config or the launch "
@@ -62,16 +66,18 @@ class ModelParallelArguments:
     def _resolve_model_parallel(self) -> None:
         """Read an accelerate MEGATRON_LM launch into the fields, switch accelerate's own plugin off, and check the
         fields (call before `TrainingArguments.__post_init__`, which may build accelerate's state)."""
-        from hf_verl.parallel.megatron.launch import resolve_megatron_settings
+        from hf_verl.parallel.megatron.launch import resolve_expert_parallel_size, resolve_megatron_settings
         from hf_verl.planner.apply import apply_parallel_plan
 
         # checked first (before the planner and the launch read them), by the schema's one mechanism (hf_verl.settings)
-        check_settings(self, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "backend", "parallel",
-                              "sequence_parallel_size"))
+        check_settings(self, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                              "backend", "parallel", "sequence_parallel_size"))
         apply_parallel_plan(self, self.model_size, type(self).__name__)  # parallel="auto": before the layout is read
         self.backend, self.tensor_model_parallel_size, self.pipeline_model_parallel_size = resolve_megatron_settings(
             type(self).__name__, self.backend, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
             getattr(self, "sequence_parallel_size", 1))
+        self.expert_model_parallel_size = resolve_expert_parallel_size(type(self).__name__, self.backend,
+                                                                       self.expert_model_parallel_size)
         self._check_placement()
 
     def _check_placement(self) -> None:

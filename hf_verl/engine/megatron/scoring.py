@@ -12,6 +12,14 @@ the vocabulary-parallel head on them a chunk at a time (:meth:`MegatronScoring._
 per position across the slices (:func:`~hf_verl.parallel.megatron.vocab.token_stats`). Prompt and padding positions
 never reach the head.
 
+A Mixture of Experts' router load-balancing loss (`with_aux_loss`) is the accelerate engines' own: transformers'
+`load_balancing_loss_func` over every layer's router logits of the micro-batch, padding excluded by the attention
+mask (:func:`load_balancing_loss`), which the algorithm weights by `router_aux_loss_coef`. Megatron's per-layer aux
+loss (which it adds to the gradient itself, with another normalisation) is switched off in the model's config; a
+forward hook on each layer's router (`decoder.layers[i].mlp.router`, left in place for other hooks) recomputes its
+logits from its input while a plan asks for them, so the loss and its gradient reach the router and the layers
+below. On each data-parallel rank it covers that rank's tokens, as under DDP.
+
 Requests served at every layout: :class:`~hf_verl.engine.step.LogProbs`, :class:`~hf_verl.engine.step.Values`,
 :class:`~hf_verl.engine.step.SamplingStatistics`, and any request that states its forward as a
 :class:`~hf_verl.engine.step.TokenQuery` (DPO's pairs); at `pp=1` also any other request built on the primitives
@@ -46,6 +54,32 @@ class Plan:
     finish: Callable[[torch.Tensor], Any]
     head_rows: torch.Tensor | None = None
     head_hidden: torch.Tensor | None = None  # the scored positions' final hidden states, set during the forward
+    token_mask: torch.Tensor | None = None  # (B, T) the aux loss's padding mask (None: every token counts)
+    router_logits: list[torch.Tensor] | None = None  # each MoE layer's [T, B, E] router logits, when the aux loss is asked
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` (Switch Transformer's, over all layers at once) of Megatron's
+    `[T, B, E]` router logits of every MoE layer, `mask` `(B, T)` excluding padding (None: every token): the number
+    of experts x sum over experts of (fraction of top-k assignments) x (mean routing probability)."""
+    experts = router_logits[0].shape[-1]
+    device = router_logits[0].device
+    tokens = torch.zeros(experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(experts, dtype=torch.float32, device=device)
+    flat = None if mask is None else mask.t().reshape(-1).to(device, torch.float32)  # Megatron's [T, B] order
+    rows: torch.Tensor | float = 0.0
+    for logits in router_logits:
+        weights = torch.softmax(logits.reshape(-1, experts), dim=-1)
+        _, chosen = torch.topk(weights, top_k, dim=-1)
+        if flat is None:
+            tokens = tokens + torch.bincount(chosen.reshape(-1), minlength=experts).float()
+            probs = probs + weights.float().sum(0)
+            rows = rows + weights.shape[0]
+        else:
+            tokens = tokens + torch.zeros_like(tokens).scatter_add_(0, chosen.reshape(-1), flat.repeat_interleave(top_k))
+            probs = probs + (weights.float() * flat.unsqueeze(-1)).sum(0)
+            rows = rows + flat.sum()
+    return torch.sum((tokens / rows) * (probs / rows)) * experts
 
 
 def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -62,6 +96,31 @@ class MegatronScoring(ModelScoring):
     stage), `_arch`, `_ctx` (the shard context), `_kind` ("causal_lm" or "value"), `_ps` (Megatron's
     `parallel_state`), `_tp_rank`, `_last` (the last pipeline stage) and `_head_plan` (the plan whose forward runs
     now)."""
+
+    def _hook_routers(self, stage: torch.nn.Module) -> None:
+        """A forward hook on each MoE layer's router (`decoder.layers[i].mlp.router`): while the running plan asks for
+        the load-balancing loss, the router's logits, recomputed from its input, are kept in the plan."""
+        self._aux_plan: Plan | None = None
+        for layer in getattr(getattr(stage, "decoder", None), "layers", []):
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                router.register_forward_hook(self._keep_router_logits)
+
+    def _keep_router_logits(self, module, args, output):
+        plan = self._aux_plan
+        if plan is not None and plan.router_logits is not None:
+            plan.router_logits.append(torch.nn.functional.linear(args[0], module.weight.to(args[0].dtype)))
+
+    def _aux_loss(self, plan: Plan) -> torch.Tensor:
+        """The plan's load-balancing loss (see :func:`load_balancing_loss`), from the logits its forward kept."""
+        self._aux_plan = None
+        logits, plan.router_logits = plan.router_logits, []
+        if len(logits) != self._arch.num_layers:
+            raise RuntimeError(f"the forward kept {len(logits)} router outputs for {self._arch.num_layers} MoE layers.")
+        if torch.is_grad_enabled() and self.training and not logits[0].requires_grad:
+            raise ValueError("a router aux loss (router_aux_loss_coef) with gradient_checkpointing on backend='megatron' "
+                             "is not supported (Megatron's recompute runs the routers without gradients): turn one off.")
+        return load_balancing_loss(logits, self._arch.top_k, plan.token_mask)
 
     def _select_head_rows(self, module, args, kwargs):
         """Take the final hidden states of the positions a request scores away from Megatron's LM head call: they
@@ -104,6 +163,7 @@ class MegatronScoring(ModelScoring):
     def _run(self, plan: Plan, model: torch.nn.Module | None = None) -> torch.Tensor:
         """The stage's forward of a plan (the LM head on the plan's scored positions only)."""
         self._head_plan = plan if self._last else None
+        self._aux_plan = plan if plan.router_logits is not None else None
         with cpu_compat():
             return (model or self.module)(plan.input_ids, plan.position_ids, plan.attention_mask)
 
@@ -117,10 +177,18 @@ class MegatronScoring(ModelScoring):
     def _stats_plan(self, input_ids: torch.Tensor, targets: torch.Tensor, select: torch.Tensor,
                     attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, *, temperature: float,
                     with_entropy: bool = False, with_log_sum_sq: bool = False,
-                    with_mean_logit: bool = False, chunk_size: int = 1024) -> Plan:
+                    with_mean_logit: bool = False, chunk_size: int = 1024, with_aux_loss: bool = False) -> Plan:
         if self._kind != "causal_lm":
             raise ValueError(f"the {self.role} is a value model; it has no token log-probs.")
         self._check_length(input_ids.shape[1])
+        if with_aux_loss and not self._arch.is_moe:
+            raise ValueError(f"the {self.role} model is not a Mixture of Experts: it has no router aux loss; set "
+                             "router_aux_loss_coef=0.")
+        if with_aux_loss and self.dims.pp > 1:
+            raise ValueError("a router aux loss (router_aux_loss_coef) on backend='megatron' needs every MoE layer on one "
+                             "stage (the loss couples the layers): set pipeline_model_parallel_size=1 or "
+                             "router_aux_loss_coef=0.")
+        token_mask = attention_mask
         if attention_mask is None:
             if position_ids is not None and bool((position_ids.diff(dim=-1) < 0).any()):
                 raise ValueError("packed rows (several sequences in one row) are not supported with backend='megatron'; "
@@ -129,10 +197,18 @@ class MegatronScoring(ModelScoring):
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
         tgt = targets if select.dtype != torch.bool else targets[select]
-        plan = Plan(input_ids, position_ids, attention_mask_4d(attention_mask), lambda _: None, head_rows=select)
-        plan.finish = lambda _output: self._head_stats(
-            plan.head_hidden, tgt, chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
-            with_log_sum_sq=with_log_sum_sq, with_mean_logit=with_mean_logit)
+        plan = Plan(input_ids, position_ids, attention_mask_4d(attention_mask), lambda _: None, head_rows=select,
+                    token_mask=token_mask, router_logits=[] if with_aux_loss else None)
+
+        def finish(_output):
+            stats = self._head_stats(plan.head_hidden, tgt, chunk_size=chunk_size, temperature=temperature,
+                                     with_entropy=with_entropy, with_log_sum_sq=with_log_sum_sq,
+                                     with_mean_logit=with_mean_logit)
+            if with_aux_loss:
+                stats.aux_loss = self._aux_loss(plan)
+            return stats
+
+        plan.finish = finish
         return plan
 
     def _values_plan(self, input_ids, select, attention_mask, position_ids) -> Plan:
@@ -160,16 +236,14 @@ class MegatronScoring(ModelScoring):
     def _plan(self, request: ForwardRequest, batch: Any) -> Plan | None:
         """The plan of a request this engine serves itself (None: run the request on the primitives)."""
         if isinstance(request, LogProbs):
-            if request.with_aux_loss:
-                raise ValueError("a router aux loss (Mixture of Experts) is not bridged to backend='megatron'.")
             ids, mask, select, targets = rollout_positions(batch)
             plan = self._stats_plan(ids, targets, select, mask, None, with_entropy=request.with_entropy,
                                     temperature=request.temperature if request.temperature > 0 else 1.0,
-                                    chunk_size=request.chunk_size)
+                                    chunk_size=request.chunk_size, with_aux_loss=request.with_aux_loss)
             stats = plan.finish
             plan.finish = lambda out: PolicyOutput(
                 logp=scatter_completion(batch, (s := stats(out)).logp),
-                entropy=scatter_completion(batch, s.entropy) if request.with_entropy else None)
+                entropy=scatter_completion(batch, s.entropy) if request.with_entropy else None, aux_loss=s.aux_loss)
             return plan
         if isinstance(request, SamplingStatistics):
             ids, mask, select, targets = rollout_positions(batch)
@@ -188,12 +262,11 @@ class MegatronScoring(ModelScoring):
             return plan
         query = request.token_query(self, batch) if hasattr(request, "token_query") else None
         if query is not None:  # one token_logprobs call and a reduction (DPO's pairs): schedulable
-            if query.with_aux_loss:
-                raise ValueError("a router aux loss (Mixture of Experts) is not bridged to backend='megatron'.")
             plan = self._stats_plan(query.input_ids, query.targets, query.select, query.attention_mask,
                                     query.position_ids, temperature=query.temperature,
                                     with_entropy=query.with_entropy, with_log_sum_sq=query.with_log_sum_sq,
-                                    with_mean_logit=query.with_mean_logit, chunk_size=query.chunk_size)
+                                    with_mean_logit=query.with_mean_logit, chunk_size=query.chunk_size,
+                                    with_aux_loss=query.with_aux_loss)
             stats = plan.finish
             plan.finish = lambda out: request.from_stats(stats(out), batch)
             return plan
@@ -209,11 +282,9 @@ class MegatronScoring(ModelScoring):
                        chunk_size=1024, with_entropy=False, with_mean_logit=False, with_aux_loss=False,
                        with_log_sum_sq=False) -> TokenStats:
         self._whole_model("token_logprobs")
-        if with_aux_loss:
-            raise ValueError("a router aux loss (Mixture of Experts) is not bridged to backend='megatron'.")
         plan = self._stats_plan(input_ids, targets, select, attention_mask, position_ids, temperature=temperature,
                                 with_entropy=with_entropy, with_log_sum_sq=with_log_sum_sq,
-                                with_mean_logit=with_mean_logit, chunk_size=chunk_size)
+                                with_mean_logit=with_mean_logit, chunk_size=chunk_size, with_aux_loss=with_aux_loss)
         return plan.finish(self._run(plan))
 
     def token_values(self, input_ids, select, *, attention_mask=None, position_ids=None) -> torch.Tensor:
@@ -226,7 +297,7 @@ class MegatronScoring(ModelScoring):
         self._whole_model("logprobs")
         plan = self._plan(LogProbs(temperature, chunk_size, with_entropy, with_aux_loss), batch)
         out = plan.finish(self._run(plan))
-        return out.logp, out.entropy
+        return (out.logp, out.entropy, out.aux_loss) if with_aux_loss else (out.logp, out.entropy)
 
     def sampling_statistics(self, batch: RolloutBatch, *, temperature: float = 1.0,
                             chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,13 +15,21 @@ duration of a Megatron call:
   CUDA RNG functions (`get_rng_state`, `set_rng_state`, `manual_seed`, and Megatron's own
   `_get_cuda_rng_state` / `_set_cuda_rng_state`) are pointed at CPU equivalents while the context is open and
   restored when it closes (the RNG of the tracker is the CPU generator: dropout masks drawn under the tracker's
-  fork come from the CPU stream; hf_verl trains with dropout off).
+  fork come from the CPU stream; hf_verl trains with dropout off);
+- `torch.distributed.all_to_all_single` takes split sizes given as tensors (the MoE all-to-all dispatcher copies
+  its splits to the host as numpy arrays from a GPU; on the CPU they stay tensors, which the collective's binding
+  refuses): they are passed on as lists, while the context is open.
 
 The engine enters it around every call into Megatron-Core; the CPU mapping applies only when CUDA is unavailable
 (:func:`needed`): on a GPU machine Megatron-Core runs unmodified. Contexts nest (a reference count). On every
 machine the context also hides, for the enclosed calls only, the warnings Megatron-Core raises that ask nothing
 of an hf_verl user (:data:`QUIET`: Apex / fused-kernel notices, deprecations inside Megatron-Core and its use of
 torch.distributed); other warnings pass.
+
+One name is supplied on every machine, once (:func:`define_te_fallbacks`): Megatron-Core 0.16's MoE router
+(`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not None` to choose its plain `torch.mm` path, but
+defines that name only when Transformer Engine imports; without TE the test is a `NameError`. It is set to None
+there, which is the value the code expects for "no TE" (nothing else of Megatron is changed).
 """
 
 from __future__ import annotations
@@ -50,6 +58,15 @@ _DEVICE_TYPE_NAMES = ("torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Te
 _lock = threading.RLock()
 _depth = 0
 _saved: list[tuple[Any, str, Any]] = []
+
+
+def define_te_fallbacks() -> None:
+    """Megatron-Core's MoE helpers without Transformer Engine: `te_general_gemm = None` where the import of TE
+    failed (see the module docstring); a no-op where TE is installed."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def needed() -> bool:
@@ -96,8 +113,21 @@ class _NoStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> None:
-        return None
+    def record_event(self, event: Any = None) -> _NoEvent:
+        return _NoEvent()
+
+
+class _NoEvent:
+    """A stand-in CUDA event (the MoE all-to-all dispatcher waits on one after its device-to-host copies)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _cpu_rng_get(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -108,7 +138,16 @@ def _cpu_rng_set(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     torch.set_rng_state(state)
 
 
+def _all_to_all_single(collective: Any) -> Any:
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        as_list = (lambda s: s.tolist() if isinstance(s, torch.Tensor) else s)
+        return collective(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
+
+    return all_to_all_single
+
+
 def _replacements() -> list[tuple[Any, str, Any]]:
+    import torch.distributed as dist
     from megatron.core.tensor_parallel import random as mrandom
 
     @contextlib.contextmanager
@@ -129,6 +168,7 @@ def _replacements() -> list[tuple[Any, str, Any]]:
         (cuda.random, "get_rng_state", _cpu_rng_get),
         (mrandom, "_get_cuda_rng_state", _cpu_rng_get),
         (mrandom, "_set_cuda_rng_state", _cpu_rng_set),
+        (dist, "all_to_all_single", _all_to_all_single(dist.all_to_all_single)),
     ]
 
 

@@ -1,8 +1,10 @@
-"""The Megatron layout of a launch: `ParallelDims` with tp / pp and data-parallel replicas, and the process group.
+"""The Megatron layout of a launch: `ParallelDims` with tp / pp / ep and data-parallel replicas, and the process group.
 
 Megatron-Core orders ranks `tp` fastest, then data parallelism, then `pp` (its default "tp-cp-ep-dp-pp"), which
 is :class:`~hf_verl.parallel.dims.ParallelDims`' row-major `pp x dp x tp`: a rank's coordinates agree in both,
-so hf_verl's data-parallel reductions and Megatron's groups see the same ranks. A single process (plain
+so hf_verl's data-parallel reductions and Megatron's groups see the same ranks. Expert parallelism (`ep`) splits
+a Mixture of Experts' experts over data-parallel ranks (Megatron's expert grid, expert TP = TP): `ep` divides the
+data-parallel size, and the all-to-all token dispatcher moves tokens between those ranks. A single process (plain
 `python`) gets a one-process gloo group, which Megatron-Core needs even without parallelism.
 """
 
@@ -40,8 +42,10 @@ def ensure_process_group() -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", world_size=1, rank=0)
 
 
-def megatron_layout(num_processes: int, tp: int, pp: int, sp: int = 1) -> tuple[ParallelDims, BackendSpec]:
-    """`(dims, backend)` of a Megatron launch of `num_processes` processes at `tp x pp` (the rest data-parallel)."""
+def megatron_layout(num_processes: int, tp: int, pp: int, sp: int = 1,
+                    ep: int = 1) -> tuple[ParallelDims, BackendSpec]:
+    """`(dims, backend)` of a Megatron launch of `num_processes` processes at `tp x pp` (the rest data-parallel,
+    experts over `ep` of them)."""
 
     if sp > 1:
         raise ValueError("sequence_parallel_size > 1 (Ulysses) does not combine with backend='megatron'; use "
@@ -52,9 +56,14 @@ def megatron_layout(num_processes: int, tp: int, pp: int, sp: int = 1) -> tuple[
                          f"divide the {world} launched processes: launch a multiple of {tp * pp} processes.")
     ensure_process_group()
     use_cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
+    if ep > 1 and (world // (tp * pp)) % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} must divide the {world // (tp * pp)} data-parallel ranks "
+                         f"left by tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} over {world} "
+                         f"processes (Megatron splits experts over data-parallel ranks): launch {tp * pp * ep} "
+                         "processes or a multiple, or lower it.")
     dims = ParallelDims.data_parallel(world, rank, shard=False, device_type="cuda" if use_cuda else "cpu", tp=tp,
-                                      pp=pp)
-    logger.info("Megatron layout: tp=%d, pp=%d, dp=%d over %d processes%s", tp, pp, dims.dp_size, world,
+                                      pp=pp, ep=ep)
+    logger.info("Megatron layout: tp=%d, pp=%d, ep=%d, dp=%d over %d processes%s", tp, pp, ep, dims.dp_size, world,
                 "" if use_cuda else " (CPU, gloo; Megatron-Core through hf_verl's CPU layer)")
     return dims, MEGATRON_BACKEND
 
@@ -77,6 +86,28 @@ def take_over_megatron_launch() -> tuple[int, int] | None:
         tp, pp = os.environ[LAUNCH_MARK].split(",")
         return int(tp), int(pp)
     return None
+
+
+EXPERT_LAUNCH_VAR = "MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE"  # accelerate's export of megatron_lm_config's
+# megatron_lm_expert_model_parallel_size (accelerate 1.15's launcher; its MegatronLMPlugin reads the same variable)
+
+
+def resolve_expert_parallel_size(owner: str, backend: str | None, ep: int) -> int:
+    """`expert_model_parallel_size` after an accelerate `MEGATRON_LM` launch's request (`megatron_lm_config`'s
+    `megatron_lm_expert_model_parallel_size`, exported as `MEGATRON_LM_EXPERT_MODEL_PARALLEL_SIZE`), checked: above 1
+    it needs `backend="megatron"` (call after :func:`resolve_megatron_settings`), and a config that disagrees with
+    the launch is an error naming both."""
+    launched = os.environ.get(LAUNCH_MARK) and os.environ.get(EXPERT_LAUNCH_VAR)
+    if launched:
+        asked = int(os.environ[EXPERT_LAUNCH_VAR] or 1)
+        if ep not in (1, asked):
+            raise ValueError(f"the accelerate MEGATRON_LM launch asks for expert_model_parallel_size={asked} but "
+                             f"{owner} sets expert_model_parallel_size={ep}: keep one of the two.")
+        ep = asked
+    if ep > 1 and backend != "megatron":
+        raise ValueError(f"{owner}: expert_model_parallel_size={ep} needs backend='megatron' (or an accelerate "
+                         "MEGATRON_LM launch config).")
+    return ep
 
 
 def resolve_megatron_settings(owner: str, backend: str | None, tp: int, pp: int,

@@ -7,6 +7,12 @@ the setting. :func:`build_stage` builds this rank's stage of a `GPTModel` with M
 (no Transformer Engine, so the same code runs on CPU and GPU; its core attention through PyTorch's SDPA,
 :mod:`~hf_verl.parallel.megatron.attention`), for a causal LM (vocabulary-parallel head, or tied
 to the embedding) or a value model (a one-output head, replicated over tensor-parallel ranks).
+
+Mixture-of-Experts families get Megatron's `MoELayer` (local `SequentialMLP` experts, no grouped GEMM, the
+all-to-all token dispatcher, dropless) with the HF model's routing: softmax -> top-k, renormalised when the model
+renormalises (`norm_topk_prob`; always for Mixtral) is Megatron's top-k over the logits then a softmax over the k
+(`moe_router_pre_softmax=False`), and without renormalisation a softmax over every expert then top-k
+(`moe_router_pre_softmax=True`). Megatron's own load-balancing loss is off: the engine computes the HF one.
 """
 
 from __future__ import annotations
@@ -58,6 +64,15 @@ class Architecture:
     max_positions: int
     tied: bool
     sliding_window: int | None
+    num_experts: int = 0  # routed experts per layer (0: dense)
+    top_k: int = 0
+    expert_size: int = 0
+    pre_softmax: bool = False  # Megatron's moe_router_pre_softmax (softmax over every expert before top-k)
+    shared_expert_size: int | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def padded_vocab(self, tp: int) -> int:
         """The vocabulary padded to a multiple of `VOCAB_DIVISIBLE_BY x tp` (Megatron's rule)."""
@@ -91,7 +106,7 @@ def architecture(config: Any) -> Architecture:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    return Architecture(
+    return Architecture(**_moe_fields(family, config),
         family=family, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_heads=heads,
         num_query_groups=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size, norm_eps=config.rms_norm_eps,
@@ -99,20 +114,54 @@ def architecture(config: Any) -> Architecture:
         tied=bool(getattr(config, "tie_word_embeddings", False)), sliding_window=window)
 
 
-def check_layout(arch: Architecture, tp: int, pp: int) -> None:
-    """Refuse a TP / PP degree the model cannot be split by, naming what divides."""
+def _moe_fields(family: Family, config: Any) -> dict[str, Any]:
+    """The expert fields of an :class:`Architecture` (none for a dense family); refuses what Megatron's MoE layer
+    would compute differently (dense layers between sparse ones, top-1 renormalised routing, router noise)."""
+    spec = family.moe
+    if spec is None:
+        return {}
+    sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
+    if getattr(config, "mlp_only_layers", None) or sparse_step != 1:
+        raise ValueError("backend='megatron' bridges Mixture-of-Experts models whose every layer is sparse; this model "
+                         f"has mlp_only_layers={getattr(config, 'mlp_only_layers', None)}, decoder_sparse_step="
+                         f"{sparse_step}. Train it with another backend (ddp, fsdp2, zero).")
+    if getattr(config, "router_jitter_noise", 0.0):
+        raise ValueError("backend='megatron' does not bridge router_jitter_noise; set it to 0.")
+    renorm = spec.renormalize if isinstance(spec.renormalize, bool) else bool(getattr(config, spec.renormalize))
+    top_k = config.num_experts_per_tok
+    if renorm and top_k == 1:
+        raise ValueError("top-1 routing with renormalised probabilities (every weight 1) has no Megatron router "
+                         "setting; train this model with another backend.")
+    shared = getattr(config, spec.shared_expert_size) if spec.shared_expert_size else None
+    return dict(num_experts=getattr(config, spec.experts), top_k=top_k, expert_size=getattr(config, spec.expert_size),
+                pre_softmax=not renorm, shared_expert_size=shared or None)
+
+
+def check_layout(arch: Architecture, tp: int, pp: int, ep: int = 1) -> None:
+    """Refuse a TP / PP / EP degree the model cannot be split by, naming what divides."""
+    if ep > 1 and not arch.is_moe:
+        raise ValueError(f"expert_model_parallel_size={ep} needs a Mixture-of-Experts model; the "
+                         f"{arch.family.name} model is dense: set expert_model_parallel_size=1.")
+    if arch.is_moe:
+        if arch.num_experts % ep:
+            raise ValueError(f"expert_model_parallel_size={ep} must divide the model's {arch.num_experts} experts.")
+        if arch.expert_size % tp or (arch.shared_expert_size or 0) % tp:
+            raise ValueError(f"tensor_model_parallel_size={tp} must divide the expert MLP size {arch.expert_size}"
+                             + (f" and the shared expert's {arch.shared_expert_size}." if arch.shared_expert_size
+                                else "."))
     if arch.num_query_groups % tp or arch.num_heads % tp:
         raise ValueError(f"tensor_model_parallel_size={tp} must divide the model's {arch.num_heads} attention heads and "
                          f"{arch.num_query_groups} key-value heads.")
-    if arch.ffn_hidden_size % tp:
+    if arch.ffn_hidden_size % tp and not arch.is_moe:
         raise ValueError(f"tensor_model_parallel_size={tp} must divide the MLP size {arch.ffn_hidden_size}.")
     if arch.num_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size={pp} must divide the model's {arch.num_layers} layers.")
 
 
 def transformer_config(arch: Architecture, *, tp: int, pp: int, dtype: torch.dtype, gradient_checkpointing: bool,
-                       sequence_parallel: bool = False):
-    """Megatron's `TransformerConfig` for the architecture on a `tp x pp` layout (dropout off: RL log-probs)."""
+                       sequence_parallel: bool = False, ep: int = 1):
+    """Megatron's `TransformerConfig` for the architecture on a `tp x pp` layout (experts over `ep` ranks; dropout
+    off: RL log-probs)."""
     import_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -123,7 +172,21 @@ def transformer_config(arch: Architecture, *, tp: int, pp: int, dtype: torch.dty
     with warnings.catch_warnings():
         for category, message in QUIET:
             warnings.filterwarnings("ignore", message=message, category=category)
-        return _transformer_config(TransformerConfig, arch, tp, pp, dtype, sequence_parallel, recompute)
+        warnings.filterwarnings("ignore", message=r"When using expert parallelism and tensor parallelism")
+        return _transformer_config(TransformerConfig, arch, tp, pp, dtype, sequence_parallel,
+                                   {**recompute, **_moe_config(arch, ep)})
+
+
+def _moe_config(arch: Architecture, ep: int) -> dict[str, Any]:
+    """Megatron's MoE settings for the architecture's routing (see the module docstring); none for a dense one."""
+    if not arch.is_moe:
+        return {}
+    shared = {"moe_shared_expert_intermediate_size": arch.shared_expert_size, "moe_shared_expert_gate": True} \
+        if arch.shared_expert_size else {}
+    return dict(num_moe_experts=arch.num_experts, moe_router_topk=arch.top_k, moe_ffn_hidden_size=arch.expert_size,
+                moe_router_pre_softmax=arch.pre_softmax, moe_router_score_function="softmax",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                expert_model_parallel_size=ep, **shared)
 
 
 def _transformer_config(TransformerConfig, arch, tp, pp, dtype, sequence_parallel, recompute):
@@ -139,7 +202,7 @@ def _transformer_config(TransformerConfig, arch, tp, pp, dtype, sequence_paralle
         use_cpu_initialization=True, perform_initialization=False, variable_seq_lengths=True,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
-        moe_token_dispatcher_type="alltoall",  # dense models; the default refuses variable_seq_lengths
+        moe_token_dispatcher_type="alltoall",  # MoE over gloo (dense: the default refuses variable_seq_lengths)
         **recompute)
 
 
@@ -162,9 +225,14 @@ def build_stage(arch: Architecture, config: Any, *, role_kind: str, pre_process:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    if arch.is_moe:
+        from hf_verl.parallel.megatron.compat import define_te_fallbacks
+
+        define_te_fallbacks()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Apex is not installed. Falling back to Torch Norm": expected here
-        spec = get_gpt_layer_local_spec(qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+                                        qk_layernorm=arch.family.qk_norm, normalization="RMSNorm")
         from hf_verl.parallel.megatron.attention import SDPAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPAttention  # PyTorch's fused kernels

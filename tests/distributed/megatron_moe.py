@@ -1,0 +1,157 @@
+"""The Megatron engine on Mixture-of-Experts models against the HF model, under `torchrun` (TP / EP from the
+environment: `MEGATRON_TP`, `MEGATRON_EP`).
+
+For each bridged MoE family (Qwen3-MoE; Qwen2-MoE with a gated shared expert, q/k/v biases and top-k without
+renormalisation; Mixtral), a tiny model built in code (2 layers, 4 experts, top-2) is converted into a
+:class:`~hf_verl.engine.megatron.MegatronEngine` on the launch's layout, and on each data-parallel rank's own
+rollout (EP spans data-parallel ranks: the all-to-all dispatcher sends tokens between them):
+
+- the engine's log-probs and entropies of a left- and right-padded rollout are compared with the HF model's;
+- the router load-balancing loss the engine returns (`LogProbs(with_aux_loss=True)`) with the HF model's
+  `aux_loss` (transformers' `load_balancing_loss_func` over the rollout's attention mask);
+- the engine's HF export (experts gathered over EP and TP) with the original weights, bit for bit;
+- one `forward_backward` + `optimizer_step` of `-mean log-prob + 0.1 x aux loss` with the same step in HF on the
+  same rank's rows, gradients averaged over the data-parallel ranks as Megatron's DDP does (loss, weights); at
+  TP=1 only: Megatron-Core trains an MoE at TP > 1 only with sequence parallelism, which the engine does not run,
+  so at TP > 1 the engine is built frozen (a reference) and the step is skipped.
+
+Every rank writes `OUT/rank{k}.json` with its worst differences per family.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from hf_verl.data.batch import RolloutBatch
+from hf_verl.engine.hf_layouts import position_ids_from_mask, rollout_positions, scatter_completion
+from hf_verl.engine.step import LogProbs, OptimizerSpec
+from hf_verl.parallel.dims import ParallelDims
+from hf_verl.parallel.megatron.launch import ensure_process_group
+
+VOCAB = 61
+FAMILIES = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 4, "moe_intermediate_size": 16, "head_dim": 8,
+                                                "norm_topk_prob": True}),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, {"num_experts": 4, "moe_intermediate_size": 16,
+                                                "shared_expert_intermediate_size": 24, "norm_topk_prob": False}),
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "intermediate_size": 16,
+                                             "sliding_window": None}),
+}
+AUX_COEF = 0.1
+
+
+def config(family: str):
+    cls, extra = FAMILIES[family]
+    kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=False,
+              num_experts_per_tok=2, router_aux_loss_coef=AUX_COEF)
+    kw.update(extra)
+    return cls(**kw)
+
+
+def model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config(family)).eval()
+    with torch.no_grad():  # routers drawn wider than the default init, so that routing differs token by token
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    return hf
+
+
+def batch(seed: int = 1) -> RolloutBatch:
+    g = torch.Generator().manual_seed(seed)
+    B, P, C = 4, 4, 6
+    prompt, completion = torch.randint(1, VOCAB, (B, P), generator=g), torch.randint(1, VOCAB, (B, C), generator=g)
+    prompt_mask, completion_mask = torch.ones(B, P, dtype=torch.long), torch.ones(B, C, dtype=torch.long)
+    prompt_mask[0, :2] = 0  # left padding
+    completion_mask[1, 3:] = 0  # right padding
+    prompt[prompt_mask == 0] = 0
+    completion[completion_mask == 0] = 0
+    return RolloutBatch(prompt_ids=prompt, prompt_mask=prompt_mask, completion_ids=completion,
+                        completion_mask=completion_mask)
+
+
+def hf_forward(hf, b: RolloutBatch):
+    """`(logp, entropy, aux_loss)` of the HF model as the accelerate engines get them."""
+    ids, mask, select, targets = rollout_positions(b)
+    out = hf(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), output_router_logits=True)
+    logp = torch.log_softmax(out.logits.float(), -1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return (scatter_completion(b, logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)[select]),
+            scatter_completion(b, entropy[select]), out.aux_loss)
+
+
+def main(out: str) -> None:
+    from hf_verl.engine.megatron import MegatronEngine
+
+    ensure_process_group()
+    tp, ep = int(os.environ.get("MEGATRON_TP", "1")), int(os.environ.get("MEGATRON_EP", "1"))
+    dims = ParallelDims.data_parallel(dist.get_world_size(), dist.get_rank(), shard=False, tp=tp, ep=ep)
+    b = batch(seed=1 + dims.dp_rank)  # each data-parallel rank its own rows
+    result = {}
+    for family in FAMILIES:
+        hf, ref = model(family), model(family)
+        engine = MegatronEngine(hf, role="actor" if tp == 1 else "reference", dims=dims, trainable=tp == 1)
+        # Adam's eps at 1e-6: a first step moves an entry by lr x g / (|g| + eps), so at the default 1e-8 an entry whose
+        # gradient averages to ~1e-9 over the data-parallel ranks shows float rounding as a visible step difference
+        if tp == 1:
+            engine.configure_optimizer(OptimizerSpec(torch.optim.AdamW, {"lr": 1e-2, "eps": 1e-6}, max_grad_norm=None))
+        r = {}
+        with torch.no_grad():
+            want_lp, want_h, want_aux = hf_forward(ref, b)
+            got = engine.infer(b, LogProbs(with_entropy=True, with_aux_loss=True), micro_batch=2)
+            whole = engine.infer(b, LogProbs(with_aux_loss=True))
+        r["logprob"] = (got.logp - want_lp).abs().max().item()
+        r["entropy"] = (got.entropy - want_h).abs().max().item()
+        r["aux_loss"] = abs(whole.aux_loss.item() - want_aux.item())
+        r["aux_value"] = want_aux.item()
+        exported = engine.full_state_dict()
+        original = ref.state_dict()
+        r["export_names"] = sorted(exported) == sorted(original)
+        r["export"] = max((exported[k] - original[k]).abs().max().item() for k in exported)
+        if tp > 1:
+            result[family] = r
+            continue
+
+        # one step: -mean log-prob of the completion tokens + coef x aux loss, two micro-batches averaged
+        micro = [b.select(slice(0, 2)), b.select(slice(2, 4))]
+        tokens = float(b.completion_mask.sum())
+
+        def loss_fn(o, mb):
+            return -(o.logp * mb.completion_mask).sum() / tokens + AUX_COEF * o.aux_loss / len(micro), {}
+
+        step = engine.forward_backward(micro, loss_fn, forward=LogProbs(with_aux_loss=True))
+        engine.optimizer_step()
+        ref.train()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0)
+        losses = []
+        for mb in micro:
+            lp, _, aux = hf_forward(ref, mb)
+            loss = -(lp * mb.completion_mask).sum() / tokens + AUX_COEF * aux / len(micro)
+            loss.backward()
+            losses.append(loss.item())
+        if dims.dp_size > 1:  # Megatron's DDP averages the gradients over the data-parallel ranks
+            for p in ref.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dims.dp_size
+        opt.step()
+        r["loss"] = max(abs(a.item() - w) for a, w in zip(step.losses, losses))
+        trained = engine.full_state_dict()
+        r["weights"] = max((trained[k] - ref.state_dict()[k]).abs().max().item() for k in trained)
+        r["worst"] = max(trained, key=lambda k: (trained[k] - ref.state_dict()[k]).abs().max().item())
+        result[family] = r
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"tp": tp, "ep": ep, "world": dist.get_world_size(), "dp_size": dims.dp_size,
+                   "families": result}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    dist.barrier()
+    dist.destroy_process_group()
