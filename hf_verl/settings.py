@@ -218,6 +218,10 @@ SETTINGS: dict[str, Setting] = {
                                           "Megatron tensor-parallel degree (backend='megatron')."),
     "pipeline_model_parallel_size": Setting(1, (int,), _pos_int, "an int >= 1",
                                             "Megatron pipeline stages (backend='megatron')."),
+    "expert_model_parallel_size": Setting(1, (int,), _pos_int, "an int >= 1",
+                                          "Megatron expert-parallel degree (backend='megatron', a Mixture-of-Experts "
+                                          "model): the routed experts split over this many data-parallel ranks; "
+                                          "must divide the experts and the data-parallel size."),
     "parallel": Setting(None, (str, _NONE), lambda v: v in (None, "manual", "auto"), "None, 'manual' or 'auto'",
                         "'auto': the planner chooses the layout from model_size (or the actor's config) for the "
                         "launch's processes, before anything is loaded; None: the same when model_size is set, else "

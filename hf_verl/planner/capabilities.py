@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from hf_verl.parallel.megatron import megatron_core_found
 
-PARALLELISMS = ("data", "fsdp", "zero", "sequence", "tensor", "pipeline")
+PARALLELISMS = ("data", "fsdp", "zero", "sequence", "tensor", "pipeline", "expert")
 
 # engine (a planner Layout's `engine`) -> the features hf_verl's engine of that name implements:
 #   "lora": trains PEFT / LoRA adapters (and runs the reference as the base with the adapters off)
@@ -123,7 +123,8 @@ def _report(import_megatron: bool) -> dict[str, Availability]:
     report["sequence"] = Availability(
         ok, f"Ulysses sequence parallelism (sequence_parallel_size) over {where}" if ok else where)
     mc_err = _megatron_error(import_megatron)
-    for name, setting in (("tensor", "tensor_model_parallel_size"), ("pipeline", "pipeline_model_parallel_size")):
+    for name, setting in (("tensor", "tensor_model_parallel_size"), ("pipeline", "pipeline_model_parallel_size"),
+                          ("expert", "expert_model_parallel_size")):
         if mc_err is not None:
             report[name] = Availability(False, f"megatron-core does not import ({mc_err}): "
                                                "`pip install hf_verl[megatron]`")
@@ -135,7 +136,7 @@ def _report(import_megatron: bool) -> dict[str, Availability]:
 
 def supported_parallelisms(reasons: bool = False) -> list[str] | dict[str, str]:
     """The parallelisms this installation and machine can run now: "data" (DDP), "fsdp" (FSDP2), "zero"
-    (DeepSpeed), "sequence", "tensor", "pipeline"; what the facade's and the trainers'
+    (DeepSpeed), "sequence", "tensor", "pipeline", "expert"; what the facade's and the trainers'
     `supported_parallelisms(reasons=...)` answer.
 
     Args:

@@ -110,6 +110,7 @@ def launch_layout(num_processes: int, args: Any) -> RoleLayout:
     return launch_role_layout(num_processes, sequence_parallel_size=getattr(args, "sequence_parallel_size", 1),
                               tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
                               pipeline_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
+                              expert_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
                               engine="megatron" if getattr(args, "backend", None) == "megatron" else None)
 
 

@@ -62,16 +62,19 @@ def init_parallel_state(dims: ParallelDims, seed: int) -> None:
         raise RuntimeError("backend='megatron' needs a process group: launch with torchrun or accelerate launch (one "
                            "process is fine), or call torch.distributed.init_process_group first.")
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (dims.tp, dims.pp):
-            raise ValueError(f"Megatron-Core is already laid out as tp={have[0]}, pp={have[1]} in this process; every "
-                             f"role on backend='megatron' must use that layout (asked: tp={dims.tp}, pp={dims.pp}).")
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        if have != (dims.tp, dims.pp, dims.ep):
+            raise ValueError(f"Megatron-Core is already laid out as tp={have[0]}, pp={have[1]}, ep={have[2]} in this "
+                             "process; every role on backend='megatron' must use that layout (asked: "
+                             f"tp={dims.tp}, pp={dims.pp}, ep={dims.ep}).")
         return
     if dims.sp > 1:
         raise ValueError("sequence_parallel_size > 1 (Ulysses) is not available with backend='megatron'; use "
                          "tensor_model_parallel_size for long sequences, or another backend for Ulysses.")
     with cpu_compat():
-        ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+                                     expert_model_parallel_size=dims.ep)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -101,7 +104,13 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronWeights, Tra
         self._hf_config = model.config
         self._kind = "value" if model.__class__.__name__.endswith("ForSequenceClassification") else "causal_lm"
         self._arch = architecture(model.config)
-        check_layout(self._arch, dims.tp, dims.pp)
+        # EP splits experts: a dense actor is refused; dense critics / reward models beside an MoE actor run unsplit
+        check_layout(self._arch, dims.tp, dims.pp, dims.ep if role == "actor" or self._arch.is_moe else 1)
+        if self._arch.is_moe and dims.tp > 1 and trainable:
+            raise ValueError(f"training the {role} (a Mixture of Experts) at tensor_model_parallel_size={dims.tp} needs "
+                             "Megatron's sequence parallelism, which hf_verl's Megatron engine does not run yet: train "
+                             "it with tensor_model_parallel_size=1 and expert_model_parallel_size for the experts (a "
+                             "frozen MoE reference or reward model may use TP x EP).")
         self._dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
         init_parallel_state(dims, seed)
         from megatron.core import parallel_state as ps
@@ -112,12 +121,16 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronWeights, Tra
         self._first, self._last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         with cpu_compat():
             self._config = transformer_config(self._arch, tp=dims.tp, pp=dims.pp, dtype=self._dtype,
-                                              gradient_checkpointing=gradient_checkpointing and trainable)
+                                              gradient_checkpointing=gradient_checkpointing and trainable,
+                                              ep=dims.ep if self._arch.is_moe else 1)
             stage = build_stage(self._arch, self._config, role_kind=self._kind, pre_process=self._first,
                                 post_process=self._last, tp=dims.tp)
         per_stage = self._arch.num_layers // dims.pp
+        moe = dict(num_experts=self._arch.num_experts, ep_size=ps.get_expert_model_parallel_world_size(),
+                   ep_rank=ps.get_expert_model_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+                   etp_rank=ps.get_expert_tensor_parallel_rank()) if self._arch.is_moe else {}
         self._ctx = ShardContext(dims.tp, self._tp_rank, self._arch.num_heads, self._arch.num_query_groups,
-                                 self._arch.head_dim, self._arch.vocab_size, self._arch.padded_vocab(dims.tp))
+                                 self._arch.head_dim, self._arch.vocab_size, self._arch.padded_vocab(dims.tp), **moe)
         self._bridge = Bridge(table_for(self._arch.family, self._kind, self._arch.tied), self._ctx,
                               layer_offset=self._pp_rank * per_stage, num_layers=per_stage, first_stage=self._first,
                               last_stage=self._last)
@@ -131,6 +144,7 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronWeights, Tra
         if self._last and self._kind == "causal_lm":
             stage.output_layer.register_forward_pre_hook(self._select_head_rows, with_kwargs=True)
         self._stage = stage
+        self._hook_routers(stage)  # a Mixture of Experts' router inputs, for the HF load-balancing loss
         self._ddp = None
         self._optimizer = None
         self._schedule = None

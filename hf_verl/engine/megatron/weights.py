@@ -60,7 +60,7 @@ class MegatronWeights(WeightsEngine):
         # Megatron reads a parameter's split from attributes its initialisation sets (skipped: the weights come
         # from the bridge); its gradient norm counts a tensor-parallel duplicate once by them
         params = dict(stage.named_parameters())
-        entries = [(n, m) for n, m, _ in self._bridge.entries()]
+        entries = list(self._bridge.parameters())  # expert templates expanded over this rank's experts
         if "output_layer.weight" in shards and "output_layer.weight" not in dict(entries):
             entries.append(("output_layer.weight", VocabColumn(("model.embed_tokens.weight",))))
         for name, mapping in entries:
@@ -92,16 +92,29 @@ class MegatronWeights(WeightsEngine):
 
     def _gather(self, name: str, tensor: torch.Tensor, mapping: Mapping) -> list[torch.Tensor]:
         tensor = tensor.detach()
-        if not mapping.tensor_parallel or self.dims.tp == 1:
+        expert = ".local_experts." in name  # an expert's slice: split over the expert tensor-parallel ranks
+        size = self._ctx.expert_ctx().tp_size if expert else self.dims.tp
+        if not mapping.tensor_parallel or size == 1:
             return [tensor]
-        parts = [torch.empty_like(tensor) for _ in range(self.dims.tp)]
-        dist.all_gather(parts, tensor.contiguous(), group=self._ps.get_tensor_model_parallel_group())
+        parts = [torch.empty_like(tensor) for _ in range(size)]
+        group = self._ps.get_expert_tensor_parallel_group() if expert else self._ps.get_tensor_model_parallel_group()
+        dist.all_gather(parts, tensor.contiguous(), group=group)
         return parts
+
+    def _gather_experts(self, name: str, local: list[list[torch.Tensor]], mapping: Mapping) -> list[list[torch.Tensor]]:
+        """Every expert of a layer (each its expert-TP shards), in global order: this rank's `local` ones gathered
+        over the expert-parallel group (rank r holds experts `r x E/ep ...`)."""
+        if self._ctx.ep_size == 1:
+            return local
+        stacked = torch.stack([torch.stack(shards) for shards in local]).contiguous()  # [local, etp, ...]
+        parts = [torch.empty_like(stacked) for _ in range(self._ctx.ep_size)]
+        dist.all_gather(parts, stacked, group=self._ps.get_expert_model_parallel_group())
+        return [list(expert.unbind(0)) for part in parts for expert in part.unbind(0)]
 
     def _named_hf(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor of the model on every rank, pipeline stages in turn (collectives on every rank)."""
         params = {k: v for k, v in self._stage.state_dict().items() if not k.endswith("_extra_state")}
-        mine = list(self._bridge.export(self._gather, params))
+        mine = list(self._bridge.export(self._gather, params, self._gather_experts))
         if self.dims.pp == 1:
             for name, t in mine:
                 yield name, t if dtype is None else t.to(dtype)
@@ -160,21 +173,26 @@ class MegatronWeights(WeightsEngine):
         from safetensors.torch import save_file
 
         os.makedirs(output_dir, exist_ok=True)
-        tag = f"tp{self._tp_rank}_pp{self._pp_rank}"
+        tag = self._checkpoint_tag()
         weights = {k: v.detach().contiguous() for k, v in self._stage.state_dict().items()
                    if not k.endswith("_extra_state")}
-        if self.dims.dp_rank == 0:
+        if self.dims.dp_rank == 0 or (self._ctx.ep_size > 1 and self._ps.get_expert_data_parallel_rank() == 0):
             save_file(weights, os.path.join(output_dir, f"megatron_{self.role}_{tag}.safetensors"))
         if self._optimizer is not None:  # every rank its shard of the distributed optimizer
             state = {"optimizer": self.optimizer_state_dict(), "scheduler": self.scheduler_state_dict()}
             torch.save(state, os.path.join(output_dir, f"megatron_{self.role}_{tag}_dp{self.dims.dp_rank}_optim.pt"))
         dist.barrier()
 
+    def _checkpoint_tag(self) -> str:
+        """This rank's shard name: its TP and PP coordinates (and EP rank: expert-parallel ranks hold other experts)."""
+        tag = f"tp{self._tp_rank}_pp{self._pp_rank}"
+        return tag + f"_ep{self._ctx.ep_rank}" if self._ctx.ep_size > 1 else tag
+
     @torch.no_grad()
     def load_checkpoint(self, input_dir: str) -> None:
         from safetensors.torch import load_file
 
-        tag = f"tp{self._tp_rank}_pp{self._pp_rank}"
+        tag = self._checkpoint_tag()
         path = os.path.join(input_dir, f"megatron_{self.role}_{tag}.safetensors")
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: the checkpoint was not written by a Megatron {self.role} on "
