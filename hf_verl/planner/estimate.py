@@ -69,25 +69,27 @@ def _mbs(args: Any) -> int:
 
 def layout_from_launch(args: Any = None, micro_batch_size: int = 1) -> Layout:
     """The planner's [`Layout`] of the current launch: its process count (`WORLD_SIZE`), the backend its accelerate
-    config asks for (:func:`~hf_verl.parallel.backend.requested_backend`) and the config's sp / tp / pp."""
+    config asks for (:func:`~hf_verl.parallel.backend.requested_backend`) and the config's sp / tp / pp / ep."""
     from hf_verl.parallel.backend import requested_backend
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     sp = getattr(args, "sequence_parallel_size", 1) or 1
-    megatron = getattr(args, "backend", None) == "megatron" or tp * pp > 1
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    megatron = getattr(args, "backend", None) == "megatron" or tp * pp * ep > 1
     spec = requested_backend(world)
     return _from_spec(spec, world, tp, pp, sp, megatron, micro_batch_size,
-                      bool(getattr(args, "gradient_checkpointing", False)))
+                      bool(getattr(args, "gradient_checkpointing", False)), ep)
 
 
-def _from_spec(spec, world: int, tp: int, pp: int, sp: int, megatron: bool, mbs: int, ckpt: bool) -> Layout:
+def _from_spec(spec, world: int, tp: int, pp: int, sp: int, megatron: bool, mbs: int, ckpt: bool,
+               ep: int = 1) -> Layout:
     if world % (tp * pp * sp):
         raise ValueError(f"tp={tp} x pp={pp} x sp={sp} does not divide the {world} launched processes.")
     dp = world // (tp * pp * sp)
     if megatron:
-        return Layout(dp=dp, sharding="zero1" if dp > 1 else "none", tp=tp, pp=pp, megatron=True,
+        return Layout(dp=dp, sharding="zero1" if dp > 1 else "none", tp=tp, pp=pp, ep=ep, megatron=True,
                       activation_checkpointing=ckpt, micro_batch_size=mbs)
     sharding = {"fsdp2": "fsdp2", "deepspeed": f"zero{spec.zero_stage}" if spec.zero_stage else "none"}.get(spec.kind,
                                                                                                            "none")
@@ -107,7 +109,8 @@ def _to_layout(layout: Any, args: Any, rows: int, ckpt: bool) -> Layout:
     from hf_verl.parallel.backend import BackendSpec
 
     spec = backend or BackendSpec("fsdp2" if dims.dp_shard > 1 else "ddp" if dims.world_size > 1 else "plain")
-    return _from_spec(spec, dims.world_size, dims.tp, dims.pp, dims.sp, spec.kind == "megatron", rows, ckpt)
+    return _from_spec(spec, dims.world_size, dims.tp, dims.pp, dims.sp, spec.kind == "megatron", rows, ckpt,
+                      getattr(dims, "ep", 1) or 1)
 
 
 ROLES = ("actor", "reference", "critic")

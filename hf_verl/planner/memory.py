@@ -390,6 +390,11 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
         acts = tokens * layers_here * in_flight * per_layer
     acts += tokens * arch.hidden * cb * 2  # embedding output, final norm
     put("activations", acts, resident=False)
+    if arch.is_moe and trained and not layout.megatron:
+        # transformers' experts loop indexes the 3-D expert tensors once per expert: autograd builds a gradient of
+        # the whole tensor for each and sums it into .grad, one more copy of the experts' fp32 gradients in backward
+        # (fitted on benchmarks/memory_heldout.py's fit set: moe-plain-256, moe-fsdp2-256)
+        put("expert gradient copies", experts * work.trainable_fraction * 4, resident=False)
 
     # ---- logits: scored positions x vocabulary, fp32
     if work.value_head:
