@@ -426,13 +426,20 @@ class EngineTrainerMixin:
         if not self.backend.partitions_parameters:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        state = self.actor.full_state_dict()  # a collective: every rank gathers, the main rank keeps
+        if self.backend.kind == "megatron" and self.actor.has_adapters:
+            # a LoRA actor: its adapters only, under the PeftModel's own keys, which PEFT's save_pretrained writes
+            # as an adapter directory (as for a PEFT actor on the other backends)
+            state = self.actor.adapter_state_dict(adapter_name=self.model.active_adapter)
+        else:
+            state = self.actor.full_state_dict()  # a collective: every rank gathers, the main rank keeps
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         if not self.backend.partitions_parameters:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.backend.kind == "megatron" and self.actor.has_adapters:
+            return  # a LoRA actor's base shards and adapters come back with its per-rank checkpoint
         from safetensors.torch import load_file
 
         path = os.path.join(resume_from_checkpoint, "model.safetensors")

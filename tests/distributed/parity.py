@@ -9,6 +9,9 @@ logged losses, the backend and layout the trainer actually got, the type of its 
 how far the sharded weight export is from the unsharded initial weights) and the final weights
 (`save_model` into `OUT/final`, the critic under `final/critic`).
 
+`PARITY_LORA=1` gives GRPO and DPO a `peft_config` (:func:`lora_config`): the adapters train, the reference is the
+model with the adapters off, and `save_model` writes the PEFT adapter directory.
+
 GRPO and PPO sample with `per_row_sampling_seed`, so the rollouts are the same however the rows
 are split; every optimizer step uses one micro-batch (the whole round), so that the token-mean
 normalisers see the same tokens.
@@ -40,6 +43,17 @@ def tiny_qwen2(tok, cls="Qwen2ForCausalLM", seed=0, **kw):
     return getattr(transformers, cls)(cfg)
 
 
+def lora_config(algo):
+    """The LoraConfig of a `PARITY_LORA=1` run, else None: rslora, no dropout; GRPO adapts some of the fused
+    modules' parts (q and v of q/k/v, up of gate/up), DPO every linear of the decoder."""
+    if os.environ.get("PARITY_LORA") != "1":
+        return None
+    from peft import LoraConfig
+
+    targets = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"] if algo == "grpo" else "all-linear"
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_rslora=True)
+
+
 def count_a(completions, **kwargs):
     return [float(c.count("a")) + 0.1 * len(c) for c in completions]
 
@@ -69,7 +83,8 @@ def build(algo, out, world, tok):
         reward_model = tiny_qwen2(tok, "Qwen2ForSequenceClassification", seed=2, num_labels=1)
         return GRPOTrainer(model=tiny_qwen2(tok), reward_funcs=[count_a, reward_model], args=args,
                            reward_processing_classes=[None, tok],
-                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
+                           peft_config=lora_config(algo))
     if algo == "ppo":
         from hf_verl import PPOConfig, PPOTrainer
 
@@ -83,7 +98,8 @@ def build(algo, out, world, tok):
     pairs = {"prompt": [p + "=" for p in prompts] * 3,
              "chosen": [p[::-1] for p in prompts] * 3, "rejected": [p + p for p in prompts] * 3}
     args = DPOConfig(max_length=32, beta=0.1, **common(out, world))
-    return DPOTrainer(model=tiny_qwen2(tok), args=args, train_dataset=Dataset.from_dict(pairs), processing_class=tok)
+    return DPOTrainer(model=tiny_qwen2(tok), args=args, train_dataset=Dataset.from_dict(pairs), processing_class=tok,
+                      peft_config=lora_config(algo))
 
 
 def resume_run(out, world, tok):
@@ -187,7 +203,9 @@ def main(algo: str, out: str) -> None:
                        "world": trainer.dims.world_size, "dp_size": trainer.dims.dp_size, "sp": trainer.dims.sp,
                        "attention": trainer.actor.config._attn_implementation,
                        "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
-                       "export_max_error": err, "export_names_match": same_names}, f)
+                       "export_max_error": err, "export_names_match": same_names,
+                       "trainable": sorted(n for n, p in trainer.actor.model.named_parameters() if p.requires_grad)},
+                      f)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ Megatron-Core, a module each:
   log-probs without the vocabulary gathered;
 - **weights** (:mod:`~hf_verl.engine.megatron.weights`): the HF weights converted in, exported out bucket by bucket
   (the weight sync to a rollout engine, `save_model`, `save_pretrained`), each rank's checkpoint;
-- **adapters**: none are bridged (`has_adapters` is False; `adapters_disabled` refuses, naming the fix).
+- **adapters** (:mod:`~hf_verl.engine.megatron.adapters`): a PEFT LoRA actor's adapters on the Megatron linears
+  (base frozen, only the adapters in the optimizer); its reference is the stage with the adapters off.
 
 This module builds the engine (Megatron's process groups, the stage, its `DistributedDataParallel`) and holds its
 views and its step. On a machine without a GPU every call into Megatron-Core runs inside
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.base import TrainingEngine
+from hf_verl.engine.megatron.adapters import MegatronAdapters
 from hf_verl.engine.megatron.optimizer import MegatronOptimization
 from hf_verl.engine.megatron.scoring import MegatronScoring, Plan
 from hf_verl.engine.megatron.weights import MegatronWeights
@@ -47,6 +49,7 @@ from hf_verl.parallel.megatron.bridge import Bridge, ShardContext
 from hf_verl.parallel.megatron.compat import cpu_compat
 from hf_verl.parallel.megatron.families import table_for
 from hf_verl.parallel.megatron.launch import MEGATRON_BACKEND
+from hf_verl.parallel.megatron.lora import read_peft
 from hf_verl.parallel.megatron.model import architecture, build_stage, check_layout, import_megatron, transformer_config
 
 logger = logging.getLogger(__name__)
@@ -78,12 +81,13 @@ def init_parallel_state(dims: ParallelDims, seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronWeights, TrainingEngine):
+class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronAdapters, MegatronWeights, TrainingEngine):
     """One model role on Megatron-Core (see the module docstring).
 
     Args:
         model (`PreTrainedModel`): the role's HF model (a bridged family), whole, on the CPU or this rank's device;
-            its weights are converted into this rank's shards.
+            its weights are converted into this rank's shards. A `PeftModel` with LoRA adapters trains its adapters
+            only (:mod:`~hf_verl.engine.megatron.adapters`).
         role (`str`): "actor", "critic", "reference" or "reward".
         dims ([`ParallelDims`]): the layout (`tp`, `pp`, and the data-parallel ranks left).
         trainable (`bool`): whether it runs backward and optimizer steps.
@@ -95,9 +99,7 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronWeights, Tra
     def __init__(self, model: Any, *, role: str, dims: ParallelDims, trainable: bool = True,
                  gradient_checkpointing: bool = False, bf16: bool = False, fp16: bool = False, seed: int = 42,
                  **_: Any) -> None:
-        if getattr(model, "peft_config", None):
-            raise ValueError("backend='megatron' trains full weights; PEFT / LoRA adapters are not bridged: drop "
-                             "peft_config, or use another backend (ddp, fsdp2, zero) for LoRA.")
+        peft = read_peft(model)  # None without PEFT adapters
         self.role, self.dims, self.trainable = role, dims, trainable
         self.backend = MEGATRON_BACKEND
         self.padding_free = self.shared_prefix = False  # rows are scored padded (no packing, no shared prompts)
@@ -134,7 +136,7 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronWeights, Tra
         self._bridge = Bridge(table_for(self._arch.family, self._kind, self._arch.tied), self._ctx,
                               layer_offset=self._pp_rank * per_stage, num_layers=per_stage, first_stage=self._first,
                               last_stage=self._last)
-        self._load_hf(stage, model.state_dict())
+        self._load_hf(stage, peft.base_state if peft is not None else model.state_dict())
         # built on the CPU (use_cpu_initialization); on a GPU machine the stage moves to this rank's device, where
         # Megatron's DDP puts its gradient buffers (torch.cuda.current_device(), set per rank by accelerate)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -145,6 +147,8 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronWeights, Tra
             stage.output_layer.register_forward_pre_hook(self._select_head_rows, with_kwargs=True)
         self._stage = stage
         self._hook_routers(stage)  # a Mixture of Experts' router inputs, for the HF load-balancing loss
+        if peft is not None:
+            self._attach_lora(peft)  # before DDP: only the adapters get gradient buffers and optimizer state
         self._ddp = None
         self._optimizer = None
         self._schedule = None
@@ -198,17 +202,8 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronWeights, Tra
         return self._hf_config
 
     @property
-    def has_adapters(self) -> bool:
-        return False
-
-    @property
     def device(self) -> torch.device:
         return next(self._stage.parameters()).device
-
-    @contextlib.contextmanager
-    def adapters_disabled(self) -> Iterator[TrainingEngine]:
-        raise ValueError(f"the {self.role} on backend='megatron' has no PEFT adapters; give a reference model.")
-        yield self  # pragma: no cover
 
     @property
     def training(self) -> bool:

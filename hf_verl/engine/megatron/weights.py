@@ -111,10 +111,18 @@ class MegatronWeights(WeightsEngine):
         dist.all_gather(parts, stacked, group=self._ps.get_expert_model_parallel_group())
         return [list(expert.unbind(0)) for part in parts for expert in part.unbind(0)]
 
+    def _export_params(self) -> dict[str, torch.Tensor]:
+        """This rank's Megatron tensors the bridge exports (a LoRA engine gives its weights merged)."""
+        return {k: v for k, v in self._stage.state_dict().items() if not k.endswith("_extra_state")}
+
     def _named_hf(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF tensor of the model on every rank, pipeline stages in turn (collectives on every rank)."""
-        params = {k: v for k, v in self._stage.state_dict().items() if not k.endswith("_extra_state")}
-        mine = list(self._bridge.export(self._gather, params, self._gather_experts))
+        yield from self._across_stages(list(self._bridge.export(self._gather, self._export_params(),
+                                                                self._gather_experts)), dtype)
+
+    def _across_stages(self, mine: list[tuple[str, torch.Tensor]],
+                       dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every pipeline stage's `mine` (named tensors) on every rank, stage by stage (collectives)."""
         if self.dims.pp == 1:
             for name, t in mine:
                 yield name, t if dtype is None else t.to(dtype)
