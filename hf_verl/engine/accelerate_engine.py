@@ -34,6 +34,7 @@ from hf_verl.algorithms.logprobs import logprobs_from_head
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.hf_layouts import HFLayouts, select_positions
 from hf_verl.engine.parts.scoring import TokenStats
+from hf_verl.engine.router_loss import global_load_balancing_loss
 from hf_verl.parallel.precision import amp_dtype, autocast
 from hf_verl.engine.step import OptimizerSpec, SchedulerSpec
 from hf_verl.parallel import deepspeed as ds
@@ -174,6 +175,8 @@ class AccelerateEngine(HFLayouts, TrainingEngine):
             if with_aux_loss and aux is None:
                 raise ValueError(f"the {self.role} model returned no aux_loss with output_router_logits=True: it is "
                                  "not a Mixture-of-Experts model; set router_aux_loss_coef=0.")
+            if aux is not None and self.dims.dp_size > 1:  # the loss of every rank's tokens, as one process has it
+                aux = global_load_balancing_loss(out.router_logits, aux, self.model.config, attention_mask, self.dims)
             del out
             head = self.model.get_output_embeddings()
             logp, entropy, mean_logit, *sq = logprobs_from_head(
