@@ -41,12 +41,12 @@ PARALLELISMS = ("data", "fsdp", "zero", "sequence", "tensor", "pipeline", "exper
 #   "offload_optimizer" / "offload_params": DeepSpeed's ZeRO-Offload of the optimizer states / ZeRO-3 parameters
 #   "sequence": Ulysses sequence parallelism
 #   "expert": expert parallelism of a Mixture-of-Experts model (Megatron's expert_model_parallel_size)
-# The Megatron engine refuses a peft_config today (engine/megatron/engine.py): its owners add "lora" here when it
-# trains adapters; its expert-parallel axis is granted by "expert" in PARALLELISMS (engine_runs) or a line here.
+# The Megatron engine trains LoRA adapters (engine/megatron/adapters.py, tests/test_megatron_lora.py); its
+# expert-parallel axis is granted by "expert" in PARALLELISMS (engine_runs) or a line here.
 ENGINE_FEATURES: dict[str, frozenset[str]] = {
     "accelerate": frozenset({"lora", "offload", "sequence"}),
     "deepspeed": frozenset({"lora", "offload_optimizer", "offload_params"}),
-    "megatron": frozenset(),
+    "megatron": frozenset({"lora"}),
 }
 
 
