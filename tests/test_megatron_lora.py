@@ -7,7 +7,8 @@ branch's output is the merged delta's.
 Multi-process tests (2 gloo processes, fp32, the tiny Qwen2 of tests/distributed/parity.py): GRPO and DPO with a
 LoraConfig (rslora on) at TP=2 and at PP=2 against the one-process accelerate run with the same LoraConfig: the
 logged losses (1e-5 relative), the adapter tensors saved by `save_model` (5e-5), and the saved adapter loaded by
-`PeftModel.from_pretrained` on the HF model gives the baseline's logits.
+`PeftModel.from_pretrained` on the HF model gives the baseline's logits; a LoRA run at TP=2 resumed from its step-2
+checkpoint logs the uninterrupted run's losses.
 """
 
 import json
@@ -184,3 +185,26 @@ def test_lora_trainers_on_megatron_equal_one_process(lora_baselines, tmp_path, a
     with loaded.disable_adapter(), torch.no_grad():  # and they differ from the base model's
         base = loaded(input_ids=torch.tensor([[1, 2, 3, 4]])).logits
     assert not torch.allclose(loaded(input_ids=torch.tensor([[1, 2, 3, 4]])).logits, base)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.optional_backend
+def test_a_lora_run_on_megatron_resumes_exactly(tmp_path):
+    """GRPO with a LoraConfig at TP=2, checkpointed at step 2 (the PEFT adapter directory and each rank's shards,
+    adapters and their distributed-optimizer state included), resumed in a fresh trainer: steps 3 and 4 log the
+    uninterrupted run's losses (adapters restarted from PEFT's initialisation would not)."""
+    from safetensors.torch import load_file
+
+    proc = _torchrun(2, "tests.distributed.parity", "resume", str(tmp_path), PARITY_MEGATRON="2,1", PARITY_LORA="1")
+    assert proc.returncode == 0, _failure(proc)
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert got["backend"] == "megatron" and got["full"]["3"] != got["full"]["4"]
+    for step in ("3", "4"):
+        assert got["resumed"][step] == pytest.approx(got["full"][step], rel=1e-6, abs=1e-8)
+    checkpoint = tmp_path / "checkpoint-2"
+    names = {p.name for p in checkpoint.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names
+    assert {f"megatron_actor_tp{r}_pp0.safetensors" for r in (0, 1)} <= names
+    shard = load_file(str(checkpoint / "megatron_actor_tp1_pp0.safetensors"))
+    assert any(".lora.lora_B." in k and v.abs().max() > 0 for k, v in shard.items())  # trained adapters saved

@@ -113,7 +113,8 @@ def resume_run(out, world, tok):
         kw = dict(common(out, world), max_steps=4, save_strategy="steps", save_steps=2)
         args = GRPOConfig(num_generations=4, max_completion_length=6, per_row_sampling_seed=True, **kw)
         return GRPOTrainer(model=tiny_qwen2(tok), reward_funcs=count_a, args=args,
-                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
+                           peft_config=lora_config("grpo"))
 
     def losses(t):
         return {h["step"]: h["loss"] for h in t.state.log_history if "loss" in h}

@@ -2,7 +2,7 @@
 
 :func:`hf_verl.pipeline.phases.reference_logprobs` scores with the actor's adapters off when no reference model
 is given; it asks :attr:`AdapterEngine.has_adapters` first. The default reads a `PeftModel`'s `disable_adapter`;
-an engine that bridges no adapters (Megatron) answers False and refuses :meth:`AdapterEngine.adapters_disabled`.
+the Megatron engine switches off the LoRA branches it carries (:mod:`hf_verl.engine.megatron.adapters`).
 """
 
 from __future__ import annotations

@@ -295,8 +295,8 @@ def attach(stage: torch.nn.Module, peft: PeftLora, table: Table, *, ctx: ShardCo
             if not any(targets.get(t.format(layer=layer)) for t in slots.modules):
                 continue
             name = f"decoder.layers.{local}.{slots.linear}"
-            lora = LoraLinear(slots, layer, peft.adapters, ctx, dtype, tp_group)
             linear = modules[name]
+            lora = LoraLinear(slots, layer, peft.adapters, ctx, dtype, tp_group).to(linear.weight.device)
             linear.lora = lora  # a child: the stage's parameters, state dict and checkpoints carry it
             linear.register_forward_hook(lora.hook, with_kwargs=True)
             attached[name] = lora
