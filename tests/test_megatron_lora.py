@@ -191,12 +191,15 @@ def test_lora_trainers_on_megatron_equal_one_process(lora_baselines, tmp_path, a
 @pytest.mark.multiprocess
 @pytest.mark.optional_backend
 def test_a_lora_run_on_megatron_resumes_exactly(tmp_path):
-    """GRPO with a LoraConfig at TP=2, checkpointed at step 2 (the PEFT adapter directory and each rank's shards,
-    adapters and their distributed-optimizer state included), resumed in a fresh trainer: steps 3 and 4 log the
-    uninterrupted run's losses (adapters restarted from PEFT's initialisation would not)."""
+    """GRPO with a LoraConfig (lora_dropout=0.1) at TP=2, checkpointed at step 2 (the PEFT adapter directory and
+    each rank's shards, adapters and their distributed-optimizer state included), resumed in a fresh trainer: steps
+    3 and 4 log the uninterrupted run's losses (adapters restarted from PEFT's initialisation would not). With
+    dropout on, the column-parallel linears' replicated A are still the same on both TP ranks after training (the
+    ranks drew the same masks)."""
     from safetensors.torch import load_file
 
-    proc = _torchrun(2, "tests.distributed.parity", "resume", str(tmp_path), PARITY_MEGATRON="2,1", PARITY_LORA="1")
+    proc = _torchrun(2, "tests.distributed.parity", "resume", str(tmp_path), PARITY_MEGATRON="2,1", PARITY_LORA="1",
+                     PARITY_LORA_DROPOUT="0.1")
     assert proc.returncode == 0, _failure(proc)
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["backend"] == "megatron" and got["full"]["3"] != got["full"]["4"]
@@ -206,5 +209,9 @@ def test_a_lora_run_on_megatron_resumes_exactly(tmp_path):
     names = {p.name for p in checkpoint.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= names
     assert {f"megatron_actor_tp{r}_pp0.safetensors" for r in (0, 1)} <= names
-    shard = load_file(str(checkpoint / "megatron_actor_tp1_pp0.safetensors"))
-    assert any(".lora.lora_B." in k and v.abs().max() > 0 for k, v in shard.items())  # trained adapters saved
+    shards = [load_file(str(checkpoint / f"megatron_actor_tp{r}_pp0.safetensors")) for r in (0, 1)]
+    assert any(".lora.lora_B." in k and v.abs().max() > 0 for k, v in shards[1].items())  # trained adapters saved
+    replicated = [k for k in shards[0] if ".lora.lora_A." in k and ("linear_qkv" in k or "linear_fc1" in k)]
+    assert len(replicated) == 6  # q, v, up in each of the 2 layers
+    for k in replicated:
+        assert torch.equal(shards[0][k], shards[1][k]), k

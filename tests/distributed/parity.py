@@ -51,7 +51,8 @@ def lora_config(algo):
     from peft import LoraConfig
 
     targets = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"] if algo == "grpo" else "all-linear"
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, use_rslora=True)
+    dropout = float(os.environ.get("PARITY_LORA_DROPOUT", "0"))  # parity needs 0 (masks differ per layout)
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets, use_rslora=True)
 
 
 def count_a(completions, **kwargs):

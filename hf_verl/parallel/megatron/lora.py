@@ -25,8 +25,10 @@ the replicated halves once. Merged weights (:meth:`LoraLinear.delta_weight`, the
 per slot in the same layout, so the bridge exports them under HF names; :meth:`LoraLinear.peft_tensors` gathers the
 adapters under PEFT's names.
 
-Departures from PEFT: `lora_dropout > 0` draws its masks from each rank's generator, so a TP run's masks are not one
-process's (the parity tests use 0). DoRA, LoRA biases, `modules_to_save`, trainable tokens and adapters on the
+Dropout (`lora_dropout > 0`) draws its masks as Megatron draws its own: on a column-parallel linear's replicated
+input from the default generator, the same on every TP rank (so the replicated `A` stays the same on every rank), on
+a row-parallel linear's input shard from Megatron's tensor-parallel RNG tracker (another stream per TP rank); both are
+restored by Megatron's activation recompute. So a TP run's masks are not one process's (the parity tests use 0). DoRA, LoRA biases, `modules_to_save`, trainable tokens and adapters on the
 embedding or the head are refused, naming the fix.
 """
 
@@ -240,13 +242,23 @@ class LoraLinear(torch.nn.Module):
 
         parts, like = {}, None
         for key in self.lora_A:
-            h = F.dropout(x, self.dropout[key], self.training) if self.dropout[key] else x
+            h = self._dropout(x, self.dropout[key])
             z = F.linear(h.to(self.lora_A[key].dtype), self.lora_A[key])
             if self.ctx.tp_size > 1:
                 z = (copy_to_tensor_model_parallel_region(z, group=self.tp_group) if self.slots.column
                      else reduce_from_tensor_model_parallel_region(z, group=self.tp_group))
             parts[key] = like = F.linear(z, self.lora_B[key]) * self.scaling[key]
         return self._layout(parts, like)
+
+    def _dropout(self, x: torch.Tensor, p: float) -> torch.Tensor:
+        if not p or not self.training:
+            return x
+        if self.slots.column or self.ctx.tp_size == 1:
+            return F.dropout(x, p, True)
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork():
+            return F.dropout(x, p, True)
 
     def hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """The forward hook on the Megatron linear: its `(output, bias)` with the adapters' output added."""
