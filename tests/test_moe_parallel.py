@@ -4,7 +4,7 @@ Tiny Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral actors (:mod:`tests.moe_mo
 (`router_aux_loss_coef` 0.05) train 3 steps of GRPO, PPO (dense critic), DPO and the role facade's loop
 (:mod:`tests.distributed.moe_parity`). One launch per backend runs four of these, the families rotated so that
 every (algorithm, family) pair runs on some backend and every family on every backend; the baseline is the same
-runs in one process. Logged losses, aux losses and final actor weights must match; the aux loss must be the one
+runs in one process; a 4-process DDP launch runs GRPO and DPO. Logged losses, aux losses and final actor weights must match; the aux loss must be the one
 of the global batch (:mod:`hf_verl.engine.router_loss`: each rank's own loss averaged gave aux losses off by up
 to 3e-2 and weights by 5e-3). Measured: losses within 3e-6 relative, aux losses within 2e-7, weights within 4e-6.
 
@@ -43,6 +43,34 @@ def baseline(tmp_path_factory):
     return out
 
 
+def _launch(backend: str, runs: list[str], out: Path, processes: int = 2) -> None:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / f"{backend}_cpu.yaml"), "--num_processes", str(processes),
+           "--main_process_port", str(_free_port()), "-m", "tests.distributed.moe_parity", str(out), ",".join(runs)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, _failure(proc)
+
+
+def _assert_same_runs(baseline: Path, out: Path, runs: list[str], backend: str, world: int = 2) -> None:
+    label, param_type = BACKENDS[backend]
+    for run in runs:
+        name = run.replace(":", "-")
+        want = json.loads((baseline / f"{name}.json").read_text())
+        got = json.loads((out / f"{name}.json").read_text())
+        assert (got["backend"], got["world"], got["param_type"]) == (label, world, param_type), run
+        assert got["zero3_partitioned"] == (backend == "zero3") and got["aux_enabled"] and want["aux_enabled"]
+        assert got["export_names_match"] and got["export_max_error"] == 0.0, run  # MoE experts exported whole
+        assert len(got["losses"]) == len(got["aux"]) == 3, run
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6), run
+        assert got["aux"] == pytest.approx(want["aux"], rel=1e-6, abs=1e-6), run  # the global batch's aux loss
+        a, b = load_file(str(baseline / f"{name}.safetensors")), load_file(str(out / f"{name}.safetensors"))
+        assert set(a) == set(b) and any(".experts." in k for k in a)
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert worst < 2e-5, (run, worst)
+        initial = tiny_moe(run.split(":")[1], build_char_tokenizer()).state_dict()
+        assert max((b[k] - initial[k]).abs().max().item() for k in b) > 1e-4, run  # the run did train
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.optional_backend
@@ -51,28 +79,17 @@ def test_moe_runs_on_two_processes_equal_one(baseline, tmp_path, backend):
     if backend.startswith("zero"):
         pytest.importorskip("deepspeed")
     runs = _runs(LAUNCHES[backend])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "configs" / "accelerate" / f"{backend}_cpu.yaml"), "--main_process_port", str(_free_port()),
-           "-m", "tests.distributed.moe_parity", str(tmp_path), ",".join(runs)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, _failure(proc)
-    label, param_type = BACKENDS[backend]
-    for run in runs:
-        name = run.replace(":", "-")
-        want = json.loads((baseline / f"{name}.json").read_text())
-        got = json.loads((tmp_path / f"{name}.json").read_text())
-        assert (got["backend"], got["world"], got["param_type"]) == (label, 2, param_type), run
-        assert got["zero3_partitioned"] == (backend == "zero3") and got["aux_enabled"] and want["aux_enabled"]
-        assert got["export_names_match"] and got["export_max_error"] == 0.0, run  # MoE experts exported whole
-        assert len(got["losses"]) == len(got["aux"]) == 3, run
-        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6), run
-        assert got["aux"] == pytest.approx(want["aux"], rel=1e-6, abs=1e-6), run  # the global batch's aux loss
-        a, b = load_file(str(baseline / f"{name}.safetensors")), load_file(str(tmp_path / f"{name}.safetensors"))
-        assert set(a) == set(b) and any(".experts." in k for k in a)
-        worst = max((a[k] - b[k]).abs().max().item() for k in a)
-        assert worst < 2e-5, (run, worst)
-        initial = tiny_moe(run.split(":")[1], build_char_tokenizer()).state_dict()
-        assert max((b[k] - initial[k]).abs().max().item() for k in b) > 1e-4, run  # the run did train
+    _launch(backend, runs, tmp_path)
+    _assert_same_runs(baseline, tmp_path, runs, backend)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_moe_runs_on_four_ddp_processes_equal_one(baseline, tmp_path):
+    """4 ranks of 2 rows each (a GRPO group of 4 spans 2 ranks): the aux loss is still the global batch's."""
+    runs = ["grpo:qwen3_moe", "dpo:mixtral"]
+    _launch("ddp", runs, tmp_path, processes=4)
+    _assert_same_runs(baseline, tmp_path, runs, "ddp", world=4)
 
 
 def _forward(family: str, ids: torch.Tensor, mask: torch.Tensor):
