@@ -235,16 +235,24 @@ SETTINGS: dict[str, Setting] = {
     "per_row_sampling_seed": Setting(False, (bool,), lambda v: True, "True or False",
                                    "Sample each completion from its own stream seeded by (seed, rollout, row): "
                                    "rollouts then do not depend on how rows are batched or split over ranks."),
-    "use_async_rollout": Setting(False, (bool,), lambda v: True, "True or False",
-                                 "Generate and score the next round in a background thread while the current one "
-                                 "trains (the facade: `rollout()` without a batch, and `rollouts(...)`; an explicit "
-                                 "`rollout(batch)` is always synchronous). The facade's default is True.",
+    "in_flight_weight_updates": Setting(False, (bool,), lambda v: True, "True or False",
+                                        "With use_async_rollout: each optimizer step's weights are streamed into the "
+                                        "running background generation and land between two decode steps "
+                                        "(partial rollouts): unfinished completions continue under the new weights, "
+                                        "every token carries its policy version (RolloutBatch.token_weight_version), "
+                                        "the importance weights correct each token, and a token older than "
+                                        "max_staleness is masked out of the loss (docs/rollout.md). The transformers "
+                                        "rollout engine only."),
     "router_replay": Setting(False, (bool,), lambda v: True, "True or False",
                              "Rollout routing replay for a Mixture-of-Experts actor: the rollout engine records the "
                              "experts each token was routed to, and the actor's training forwards route every token "
                              "to those experts (gate weights recomputed over them), so the policy ratio compares the "
                              "same computation (docs/moe.md). A dense actor is refused. Read when the roles are "
                              "first laid out."),
+    "use_async_rollout": Setting(False, (bool,), lambda v: True, "True or False",
+                                 "Generate and score the next round in a background thread while the current one "
+                                 "trains (the facade: `rollout()` without a batch, and `rollouts(...)`; an explicit "
+                                 "`rollout(batch)` is always synchronous). The facade's default is True.",
                                  defaults={"facade": True}),
     "max_staleness": Setting(1, (int,), lambda v: v >= 0, "an int >= 0",
                            "Most policy versions a rollout's weights may lag behind the actor when it is "

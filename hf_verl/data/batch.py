@@ -33,6 +33,7 @@ _TENSOR_SPEC: dict[str, tuple[str, str]] = {
     "advantages": ("B|BC", "float"),
     "is_weights": ("BC|B1", "float"),
     "weight_version": ("B", "long"),
+    "token_weight_version": ("BC", "long"),
     "is_truncated": ("B", "mask"),
     # routing replay: the experts the rollout routed each token to, (B, P | C, layers, top_k), -1 where none
     "prompt_routed_experts": ("BP+", "index"),
@@ -71,7 +72,8 @@ class RolloutBatch:
     importance weights that correct an off-policy rollout's loss (`(B, C)`, or `(B, 1)` per sequence);
     `prompt_routed_experts` / `completion_routed_experts` (`(B, P, layers, top_k)` / `(B, C, layers, top_k)`,
     integers, -1 where no forward routed the token) the experts a Mixture-of-Experts rollout routed each token to
-    (routing replay, :mod:`hf_verl.moe.routing`); and `loss_inputs` the loss's step-wide values ([`LossInputs`]). `meta` holds the
+    (routing replay, :mod:`hf_verl.moe.routing`); `token_weight_version` (`(B, C)`) the policy version behind each
+    completion token when weights were updated while it generated (in-flight weight updates); and `loss_inputs` the loss's step-wide values ([`LossInputs`]). `meta` holds the
     non-tensor side (prompt and completion texts, extra dataset columns, a trace id), each list
     aligned with the batch.
     """
@@ -94,6 +96,7 @@ class RolloutBatch:
     is_weights: torch.Tensor | None = None
     prompt_routed_experts: torch.Tensor | None = None
     completion_routed_experts: torch.Tensor | None = None
+    token_weight_version: torch.Tensor | None = None
     loss_inputs: LossInputs = field(default_factory=LossInputs)
     meta: dict[str, Any] = field(default_factory=dict)
 

@@ -384,6 +384,7 @@ class Trainer:
             m = self._rollout_metrics(out, c.rewards_per_func, timings, num_truncated)
             m.update(algorithm.take_metrics())
             m.update({"rollout/staleness": staleness, "rollout/prefetched": float(served.prefetched)})
+            m.update(served.metrics)  # in-flight weight updates' per-token versions
             # what the reward functions logged with log_metric (TRL's keyword)
             m.update({name: sum(v) / len(v) for name, v in c.reward_context.metrics.items() if v})
             out.meta["metrics"] = m
@@ -518,7 +519,7 @@ class Trainer:
             m.update(self.algorithm.take_metrics())
             self.global_step += 1
             watchdog.set_step(self.global_step + 1)
-            self._rounds.after_step()  # never while it generates: then synced before its next generation
+            self._rounds.after_step()  # while it generates: before its next generation, or in flight when asked
             m.update({"weight_version": self.engine.weight_version, "step": self.global_step, "trace_id": trace_id})
             self._loss_metrics, self._loss_rollout, self._pending_loss = {}, None, None
             logger.info("step %d: grad_norm/actor %.4f, weight_version %d", self.global_step,

@@ -51,6 +51,10 @@ def batch_from_output(prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Any
     batch.meta.update(prompts=list(prompts), prompt_ids=[list(p) for p in prompt_ids],
                       completions=tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True),
                       completion_ids=out.completion_ids)
+    if out.extra.get("token_versions") is not None:  # in-flight weight updates: the version behind each token
+        tagged, _ = pad_sequences(out.extra["token_versions"], 0, side="right", device=batch.device,
+                                  width=batch.completion_ids.shape[1])
+        batch.token_weight_version = tagged
     if out.routed_experts is not None:
         batch.prompt_routed_experts, batch.completion_routed_experts = routing_fields(
             out.routed_experts, [len(p) for p in prompt_ids], batch.prompt_ids.shape[1],

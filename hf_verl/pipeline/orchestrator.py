@@ -32,6 +32,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from hf_verl.parallel import watchdog
 from hf_verl.pipeline.prefetch import RolloutPrefetcher
 from hf_verl.pipeline.rounds import Collected, round_row_seeds
@@ -62,6 +64,9 @@ class Round:
         staleness (`int`): versions between the generating weights and the version the round is served at.
         timings (`dict[str, float]`): the collector's timings, plus `rollout_wait` (seconds waiting for a
             prefetch) and `weight_sync` (seconds syncing the engine for this round, when a sync ran).
+        metrics (`dict[str, float]`): in-flight weight updates' per-token version metrics (see
+            :meth:`RoundOrchestrator.in_flight_update`).
+        engine_key (`int`, *optional*): the generating engine (its weight versions map to policy versions).
     """
 
     collected: Collected
@@ -71,6 +76,8 @@ class Round:
     prefetched: bool = False
     staleness: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    engine_key: int | None = None
 
 
 @dataclass
@@ -81,6 +88,7 @@ class Pending:
     index: int
     settings: dict[str, Any]
     future: Future
+    pushes: int = 0  # in-flight weight updates that landed while it generated
 
 
 @dataclass
@@ -137,6 +145,7 @@ class RoundOrchestrator:
         self.engine_step: int | None = None  # None: an engine with its own weights is synced before it first generates
         self._rounds = 0  # rounds generated without an explicit index: the row seeds' round index
         self._sync_logged = False
+        self._versions: dict[int, dict[int, int]] = {}  # engine -> its weight version -> the policy version
 
     # ------------------------------------------------------------------ weights
     def sync_engine(self) -> float | None:
@@ -158,9 +167,88 @@ class RoundOrchestrator:
 
     def after_step(self) -> None:
         """The actor stepped: sync the engine now, or, while a background generation runs on it, before its
-        next generation."""
-        if not self.prefetcher.busy(self._host.engine()):
+        next generation (with `in_flight_weight_updates`: now, into the running generation)."""
+        if self.in_flight():
+            self.in_flight_update()
+        elif not self.prefetcher.busy(self._host.engine()):
             self.sync_engine()
+
+    # ------------------------------------------------------------------ in-flight weight updates
+    def in_flight(self) -> bool:
+        """Whether weight updates land in running generations (`in_flight_weight_updates` with prefetching)."""
+        return bool(getattr(self._host.settings, "in_flight_weight_updates", False)) and self.prefetching()
+
+    def in_flight_update(self) -> float | None:
+        """With `in_flight_weight_updates`, after each optimizer step: stream the actor's new weights into the
+        engine background generations run on (the actor copy, or an engine with its own weights) now, even while
+        one runs; the engine applies them between two decode steps, so unfinished completions continue under the
+        new weights and every later token carries the new version. Called on every rank after every step (a
+        sharded actor's export is collective). Returns the seconds spent streaming, None when nothing was sent.
+
+        Raises:
+            ValueError: the engine cannot take weights while it generates (vLLM, a server).
+        """
+        if not self.in_flight():
+            return None
+        h, prefetcher = self._host, self.prefetcher
+        actor, step = h.actor(), h.global_step()
+        engine = prefetcher.copy_engine
+        if engine is None and shares_actor_weights(h.engine(), actor):
+            return None  # no prefetch has run yet: the first one makes the copy at the current weights
+        engine = engine if engine is not None else h.engine()
+        if not engine.supports_in_flight_updates:
+            raise ValueError(f"in_flight_weight_updates=True needs a rollout engine that takes weights while it "
+                             f"generates (the transformers engine); {type(engine).__name__} does not: set "
+                             "in_flight_weight_updates=False.")
+        if engine is prefetcher.copy_engine:
+            if prefetcher.copy_step == step:
+                return None
+            seconds = sync_weights(actor, engine)
+            prefetcher.copy_step = step
+        else:
+            if self.engine_step == step:
+                return None
+            seconds = sync_weights(actor, engine)
+            self.engine_step = step
+        self._record_version(engine)
+        for pending in self.pending.values():
+            if not pending.future.done():
+                pending.pushes += 1
+        return seconds
+
+    def _record_version(self, engine: RolloutEngine) -> None:
+        self._versions.setdefault(id(engine), {})[engine.weight_version] = self._host.version()
+
+    def _token_versions(self, served: Round, pushes: int) -> bool:
+        """Per-token policy versions of an in-flight round: the engine's tags mapped to policy versions, tokens
+        older than `max_staleness` masked out of the loss, the metrics in `served.metrics`. Returns whether any
+        token is within the bound."""
+        batch = served.collected.batch
+        tags = getattr(batch, "token_weight_version", None)
+        if tags is None or served.engine_key not in self._versions:
+            return True
+        mapping = self._versions[served.engine_key]
+        known = torch.tensor(sorted(mapping), dtype=torch.long)
+        policy = torch.tensor([mapping[int(k)] for k in known], dtype=torch.long)
+        # a tag the map lacks (a sync outside the orchestrator) takes the newest known version not above it
+        index = (torch.searchsorted(known, tags.cpu(), right=True) - 1).clamp(min=0)
+        versions = policy[index].to(tags.device)
+        batch.token_weight_version = versions
+        real = batch.completion_mask.bool()
+        h = self._host
+        lag = h.version() - versions
+        stale = (lag > h.settings.max_staleness) & real
+        if real.any():
+            served.metrics.update({
+                "rollout/token_version_spread": float(versions[real].max() - versions[real].min()),
+                "rollout/token_staleness_mean": float(lag[real].float().mean()),
+                "rollout/stale_tokens_masked": float(stale.sum()) / float(real.sum()),
+                "rollout/in_flight_updates": float(pushes)})
+        if stale.any():
+            batch.completion_mask = batch.completion_mask * (~stale).to(batch.completion_mask.dtype)
+        if pushes:
+            served.off_policy = True  # tokens of several versions: the importance weights correct each
+        return bool((real & ~stale).any())
 
     @property
     def sync_deferred(self) -> bool:
@@ -215,6 +303,10 @@ class RoundOrchestrator:
                     logger.info("dropping the prefetched rollout (async rollout or a generation setting changed "
                                 "since it started); generating its %d rows again now", len(served.collected.rows))
                     served = None
+                elif self.in_flight() and served.collected.batch.token_weight_version is not None:
+                    if not self._token_versions(served, pending.pushes):
+                        self.pending[key] = pending
+                        raise RuntimeError(self._staleness_message(served.weights_version))
                 elif h.version() - served.weights_version > h.settings.max_staleness:
                     self.pending[key] = pending  # kept: a retry with a higher max_staleness uses it
                     raise RuntimeError(self._staleness_message(served.weights_version))
@@ -289,12 +381,20 @@ class RoundOrchestrator:
         else:
             prefetcher.wait_idle()
             sync_s, version = self.sync_engine(), None
+        if self.in_flight():
+            if not engine.supports_in_flight_updates:
+                raise ValueError(f"in_flight_weight_updates=True needs a rollout engine that takes weights while it "
+                                 f"generates (the transformers engine); {type(engine).__name__} does not: set "
+                                 "in_flight_weight_updates=False.")
+            engine.tag_token_versions = True
+            self._record_version(engine)
         # the copy holds the actor's exact weights: only its staleness makes it off-policy
         off_policy = engine is not prefetcher.copy_engine and not shares_actor_weights(engine, actor)
         index = index if index is not None else self._take_index()
         seeds = self._row_seeds(index, len(rows))
         future = prefetcher.submit(engine, self._collect_in_background, rows, prepared, engine, seeds, version,
-                                   Round(None, h.version(), step, off_policy, prefetched=True), sync_s)
+                                   Round(None, h.version(), step, off_policy, prefetched=True,
+                                         engine_key=id(engine)), sync_s)
         return Pending(item, index, self._settings(), future)
 
     def _take_index(self) -> int:

@@ -151,11 +151,13 @@ class GenerationOutput:
         routed = None
         if parts and all(p.routed_experts is not None for p in parts):
             routed = [r for p in parts for r in p.routed_experts]
+        extra: dict = {"weight_versions": versions}
+        if parts and all("token_versions" in p.extra for p in parts):
+            extra["token_versions"] = [v for p in parts for v in p.extra["token_versions"]]
         return cls(completion_ids=[c for p in parts for c in p.completion_ids],
                    logprobs=[lp for p in parts for lp in p.logprobs],
                    finish_reasons=[r for p in parts for r in p.finish_reasons],
-                   weight_version=min(versions) if versions else 0, extra={"weight_versions": versions},
-                   routed_experts=routed)
+                   weight_version=min(versions) if versions else 0, extra=extra, routed_experts=routed)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -186,6 +188,14 @@ class RolloutEngine(abc.ABC):
 
     serves_every_rank: bool = False
     """Whether one engine (a server) serves every rank: weight sync then sends from the main rank only."""
+
+    supports_in_flight_updates: bool = False
+    """Whether :meth:`sync_weights` may run while :meth:`generate` runs in another thread, landing between two
+    decode steps (in-flight weight updates): unfinished completions continue under the new weights."""
+
+    tag_token_versions: bool = False
+    """Set by the round orchestrator under in-flight weight updates: each generated token is tagged with the
+    engine's :attr:`weight_version` of the forward that gave its logits (`GenerationOutput.extra["token_versions"]`)."""
 
     record_routing: bool = False
     """Whether :meth:`generate` records the experts a Mixture-of-Experts model routed each token to

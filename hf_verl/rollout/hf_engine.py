@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -63,6 +64,8 @@ def _own_generate(model) -> bool:
 
 
 class TransformersEngine(RolloutEngine):
+    supports_in_flight_updates = True  # sync_weights may run while generate decodes (between two steps)
+
     """Generation with a transformers causal LM: a lean KV-cached loop, or ``model.generate``.
 
     Args:
@@ -108,6 +111,11 @@ class TransformersEngine(RolloutEngine):
         self._dedup_prefill = True  # one prefill per distinct prompt, while the model's cache can repeat rows
         self._prefill_rows: torch.Tensor | None = None  # the last prefill's distinct prompt of each row, if deduped
         self._decode_steps = 0  # tokens the last chunk sampled per row
+        # in-flight weight updates: a sync lands between two decode steps, never inside a forward; a waiting sync
+        # holds the turnstile, so the decode loop cannot take the weights again before it (the lock is not fair)
+        self._weights_lock = threading.Lock()
+        self._turnstile = threading.Lock()
+        self._step_versions: list = []  # the policy version of the forward behind each sampled token, last chunk
 
     # ------------------------------------------------------------------ generation
 
@@ -148,6 +156,8 @@ class TransformersEngine(RolloutEngine):
         reasons: list[str] = []
         routed: list[torch.Tensor] | None = [] if self.record_routing else None
         tap = self._routing_tap() if self.record_routing else None
+        tagged = self.tag_token_versions  # in-flight updates: every token carries the weight version behind it
+        token_versions: list[list[int]] = []
         was_training = self.model.training
         self.model.eval()
         try:
@@ -159,6 +169,8 @@ class TransformersEngine(RolloutEngine):
                         ids, lps, rs = self._generate_chunk(chunk, sampling, chunk_gen)
                         if tap is not None:
                             routed += self._chunk_routing(tap, chunk, ids)
+                    if tagged:
+                        token_versions += [[int(v) for v in self._step_versions[: len(c)]] for c in ids]
                     completions += ids
                     logprobs += lps
                     reasons += rs
@@ -171,6 +183,7 @@ class TransformersEngine(RolloutEngine):
             finish_reasons=reasons,
             weight_version=self.weight_version,
             routed_experts=routed,
+            extra={"token_versions": token_versions} if tagged else {},
         )
 
     # ------------------------------------------------------------------ routing records (routing replay)
@@ -235,7 +248,10 @@ class TransformersEngine(RolloutEngine):
                                        enabled=generator is not None):
                 if generator is not None:
                     torch.manual_seed(int(generator.initial_seed()))
-                generated, token_lps = self._decode_with_generate(input_ids, attention_mask, sampling)
+                with self._weights_lock:  # generate runs whole: an in-flight update waits for it
+                    version = self.weight_version
+                    generated, token_lps = self._decode_with_generate(input_ids, attention_mask, sampling)
+                self._step_versions = [version] * generated.shape[1]
         else:
             generated, token_lps = self._decode_loop(input_ids, attention_mask, sampling, generator)
         self._decode_steps = generated.shape[1]
@@ -267,7 +283,10 @@ class TransformersEngine(RolloutEngine):
         needs_prev = sampling.repetition_penalty != 1.0
         step_ids, step_lps = [], []
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, cache = self._prefill(input_ids, mask, position_ids)
+        with self._weights_lock:
+            version = self.weight_version
+            logits, cache = self._prefill(input_ids, mask, position_ids)
+        self._step_versions = versions = []
         # one query per step: the mask is the keys' padding mask, handed to sdpa as it is instead of being rebuilt
         # by transformers every step (a 4-D mask is taken as prepared); other kernels and sliding windows need theirs
         prepared = _takes_prepared_mask(self.model)
@@ -278,6 +297,7 @@ class TransformersEngine(RolloutEngine):
             lps = lps.masked_fill(~unfinished, 0.0)
             step_ids.append(next_ids)
             step_lps.append(lps)
+            versions.append(version)  # the weights whose forward gave this token's logits
             if eos.numel():
                 unfinished = unfinished & ~torch.isin(next_ids, eos)
             if t + 1 == sampling.max_new_tokens or not bool(unfinished.any()):
@@ -286,9 +306,13 @@ class TransformersEngine(RolloutEngine):
             if needs_prev:
                 seq = torch.cat([seq, next_ids[:, None]], dim=-1)
             position_ids = position_ids[:, -1:] + 1
-            out = self.model(input_ids=next_ids[:, None], attention_mask=mask.bool()[:, None, None, :] if prepared
-                             else mask, position_ids=position_ids, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
+            with self._turnstile:  # an in-flight weight update waiting here lands between two steps
+                pass
+            with self._weights_lock:
+                version = self.weight_version
+                out = self.model(input_ids=next_ids[:, None], attention_mask=mask.bool()[:, None, None, :]
+                                 if prepared else mask, position_ids=position_ids, past_key_values=cache,
+                                 use_cache=True, logits_to_keep=1)
             logits, cache = out.logits[:, -1].float(), out.past_key_values
         return torch.stack(step_ids, dim=1), torch.stack(step_lps, dim=1)
 
@@ -420,7 +444,7 @@ class TransformersEngine(RolloutEngine):
         """
         targets = self.model.state_dict(keep_vars=True)
         copied = seen = 0
-        with torch.no_grad():
+        with torch.no_grad(), self._turnstile, self._weights_lock:
             # streamed: a sharded actor sends one bucket at a time, so nothing here holds a second copy
             for name, tensor in named_tensors:
                 target = targets.get(name)
@@ -435,6 +459,6 @@ class TransformersEngine(RolloutEngine):
                     continue
                 target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
                 copied += 1
-        self._bump_version()
+            self._bump_version()  # inside the lock: a decode step sees new weights and their version together
         logger.debug("sync_weights: copied %d of %d tensors; weight_version=%d",
                      copied, seen, self.weight_version)

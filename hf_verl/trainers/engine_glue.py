@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,9 +123,10 @@ class EngineOptimizer:
 
     _is_accelerate_prepared = True  # accelerate must not wrap it: the engine steps its own optimizer
 
-    def __init__(self, engine: TrainingEngine) -> None:
+    def __init__(self, engine: TrainingEngine, after_step: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self._norm: torch.Tensor | None = None
+        self._after_step = after_step  # the trainer's work once the weights moved (in-flight weight updates)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -145,6 +147,8 @@ class EngineOptimizer:
         if self._norm is not None:
             self._norm.fill_(float("nan") if norm is None else norm)
             self._norm = None
+        if self._after_step is not None:
+            self._after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
@@ -365,8 +369,11 @@ class EngineTrainerMixin:
             else:
                 spec = optimizer_spec(self, self.model)
             self.actor.configure_optimizer(spec)
-        self.optimizer = EngineOptimizer(self.actor)
+        self.optimizer = EngineOptimizer(self.actor, after_step=self._after_optimizer_step)
         return self.optimizer
+
+    def _after_optimizer_step(self) -> None:
+        """Runs right after each optimizer step of the actor (nothing by default)."""
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """The actor engine's LR schedule (the user's, when given with `optimizers=`), stepped by the engine."""

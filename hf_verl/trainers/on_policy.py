@@ -242,6 +242,8 @@ class OnPolicyTrainer(RolloutEvaluation, EngineTrainerMixin, Trainer):
             matches=lambda item: [r.get("prompt", r.get("input_ids")) for r in item] == prompts)
         if self._rounds.prefetching():
             self._metrics["rollout/staleness"].append(float(served.staleness))
+        for name, value in served.metrics.items():  # in-flight weight updates' per-token versions
+            self._metrics[name].append(value)
         return self._finish_collected(served.collected)
 
     def _collect(self, rows: list[dict], engine: RolloutEngine, row_seeds: list[int] | None = None) -> Collected:
@@ -428,6 +430,12 @@ class OnPolicyTrainer(RolloutEvaluation, EngineTrainerMixin, Trainer):
     def _optimizer_step_done(self) -> None:
         """Called after the last micro-batch of an optimizer step (before the step itself)."""
         self.algorithm.end_step(self.dims)
+
+    def _after_optimizer_step(self) -> None:
+        """With `in_flight_weight_updates`, the new weights go into the running background generation now."""
+        seconds = self._rounds.in_flight_update()
+        if seconds is not None:
+            self._metrics["timing_s/weight_sync"].append(seconds)
 
     def _trained_engines(self) -> list:
         critic = getattr(self, "critic", None)
