@@ -5,7 +5,7 @@ x EP 1/2 (every rank's shards simulated); the routing each family gets in Megatr
 engine computes against transformers' own; the refusals (DeepSeek-V3 and gpt-oss, a dense actor at EP > 1, layouts
 that do not divide); the `expert_model_parallel_size` setting in the configs and an accelerate launch.
 Multi-process tests (gloo, fp32, tiny models built in code): the engine against the HF model at EP=2 on 2
-processes (log-probs, entropy, aux loss, export, one training step) and at EP=2 x TP=2 on 4 (a frozen model:
+processes (log-probs, entropy, aux loss, export, one training step), at EP=2 x PP=2 on 4, and at EP=2 x TP=2 on 4 (a frozen model:
 Megatron trains an MoE at TP > 1 only with sequence parallelism); GRPO, PPO, DPO (aux loss on) and the facade at
 EP=2 against one process. Run them with `python -m pytest tests/test_megatron_moe.py -m multiprocess`.
 """
@@ -157,16 +157,18 @@ def test_expert_parallel_size_in_the_layout_and_the_configs(tmp_path, monkeypatc
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.optional_backend
-@pytest.mark.parametrize("tp,ep,world", [(1, 2, 2), (2, 2, 4)], ids=["ep2", "ep2xtp2"])
-def test_the_moe_engine_equals_the_hf_model(tmp_path, tp, ep, world):
+@pytest.mark.parametrize("tp,pp,ep,world", [(1, 1, 2, 2), (2, 1, 2, 4), (1, 2, 2, 4)],
+                         ids=["ep2", "ep2xtp2", "ep2xpp2"])
+def test_the_moe_engine_equals_the_hf_model(tmp_path, tp, pp, ep, world):
     """Every MoE family in one launch: log-probs / entropy / aux loss within 1e-5 of the HF model on each
-    data-parallel rank's own rows, the export (experts gathered over EP and TP) bit-exact; at TP=1 one step of
-    -log-prob + 0.1 x aux loss equals HF's (loss 1e-5, weights 5e-5)."""
-    proc = _torchrun(world, "tests.distributed.megatron_moe", str(tmp_path), MEGATRON_TP=str(tp), MEGATRON_EP=str(ep))
+    data-parallel rank's own rows, the export (experts gathered over EP and TP, stages in turn) bit-exact; at TP=1
+    one step of -log-prob + 0.1 x aux loss (no aux loss at PP=2) equals HF's (loss 1e-5, weights 5e-5)."""
+    proc = _torchrun(world, "tests.distributed.megatron_moe", str(tmp_path), MEGATRON_TP=str(tp), MEGATRON_PP=str(pp),
+                     MEGATRON_EP=str(ep))
     assert proc.returncode == 0, _failure(proc)
     for rank in range(world):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert (got["tp"], got["ep"], got["dp_size"]) == (tp, ep, world // tp)
+        assert (got["tp"], got["pp"], got["ep"], got["dp_size"]) == (tp, pp, ep, world // (tp * pp))
         assert set(got["families"]) == set(FAMILIES)
         for family, r in got["families"].items():
             assert r["export_names"] and r["export"] == 0.0, (rank, family)

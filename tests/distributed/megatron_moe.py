@@ -1,5 +1,6 @@
-"""The Megatron engine on Mixture-of-Experts models against the HF model, under `torchrun` (TP / EP from the
-environment: `MEGATRON_TP`, `MEGATRON_EP`).
+"""The Megatron engine on Mixture-of-Experts models against the HF model, under `torchrun` (TP / PP / EP from the
+environment: `MEGATRON_TP`, `MEGATRON_PP`, `MEGATRON_EP`; at PP > 1 without the aux loss, which needs every layer
+on one stage).
 
 For each bridged MoE family (Qwen3-MoE; Qwen2-MoE with a gated shared expert, q/k/v biases and top-k without
 renormalisation; Mixtral), a tiny model built in code (2 layers, 4 experts, top-2) is converted into a
@@ -91,7 +92,9 @@ def main(out: str) -> None:
 
     ensure_process_group()
     tp, ep = int(os.environ.get("MEGATRON_TP", "1")), int(os.environ.get("MEGATRON_EP", "1"))
-    dims = ParallelDims.data_parallel(dist.get_world_size(), dist.get_rank(), shard=False, tp=tp, ep=ep)
+    pp = int(os.environ.get("MEGATRON_PP", "1"))
+    dims = ParallelDims.data_parallel(dist.get_world_size(), dist.get_rank(), shard=False, tp=tp, pp=pp, ep=ep)
+    aux, coef = pp == 1, AUX_COEF if pp == 1 else 0.0
     b = batch(seed=1 + dims.dp_rank)  # each data-parallel rank its own rows
     result = {}
     for family in FAMILIES:
@@ -104,11 +107,11 @@ def main(out: str) -> None:
         r = {}
         with torch.no_grad():
             want_lp, want_h, want_aux = hf_forward(ref, b)
-            got = engine.infer(b, LogProbs(with_entropy=True, with_aux_loss=True), micro_batch=2)
-            whole = engine.infer(b, LogProbs(with_aux_loss=True))
+            got = engine.infer(b, LogProbs(with_entropy=True, with_aux_loss=aux), micro_batch=2)
+            whole = engine.infer(b, LogProbs(with_aux_loss=aux))
         r["logprob"] = (got.logp - want_lp).abs().max().item()
         r["entropy"] = (got.entropy - want_h).abs().max().item()
-        r["aux_loss"] = abs(whole.aux_loss.item() - want_aux.item())
+        r["aux_loss"] = abs(whole.aux_loss.item() - want_aux.item()) if aux else 0.0
         r["aux_value"] = want_aux.item()
         exported = engine.full_state_dict()
         original = ref.state_dict()
@@ -123,21 +126,22 @@ def main(out: str) -> None:
         tokens = float(b.completion_mask.sum())
 
         def loss_fn(o, mb):
-            return -(o.logp * mb.completion_mask).sum() / tokens + AUX_COEF * o.aux_loss / len(micro), {}
+            return -(o.logp * mb.completion_mask).sum() / tokens + (coef * o.aux_loss / len(micro) if aux else 0.0), {}
 
-        step = engine.forward_backward(micro, loss_fn, forward=LogProbs(with_aux_loss=True))
+        step = engine.forward_backward(micro, loss_fn, forward=LogProbs(with_aux_loss=aux))
         engine.optimizer_step()
         ref.train()
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0)
         losses = []
         for mb in micro:
-            lp, _, aux = hf_forward(ref, mb)
-            loss = -(lp * mb.completion_mask).sum() / tokens + AUX_COEF * aux / len(micro)
+            lp, _, aux_hf = hf_forward(ref, mb)
+            loss = -(lp * mb.completion_mask).sum() / tokens + coef * aux_hf / len(micro)
             loss.backward()
             losses.append(loss.item())
         if dims.dp_size > 1:  # Megatron's DDP averages the gradients over the data-parallel ranks
+            group = dims.dp_group  # the ranks of this rank's pipeline stage and TP rank
             for p in ref.parameters():
-                dist.all_reduce(p.grad)
+                dist.all_reduce(p.grad, group=group)
                 p.grad /= dims.dp_size
         opt.step()
         r["loss"] = max(abs(a.item() - w) for a, w in zip(step.losses, losses))
@@ -147,7 +151,7 @@ def main(out: str) -> None:
         result[family] = r
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"tp": tp, "ep": ep, "world": dist.get_world_size(), "dp_size": dims.dp_size,
+        json.dump({"tp": tp, "pp": pp, "ep": ep, "world": dist.get_world_size(), "dp_size": dims.dp_size,
                    "families": result}, f)
 
 
