@@ -558,6 +558,6 @@ def test_moe_memory_estimate_against_measured_peak_rss():
         arch, layout, est = memory_heldout.predict(name)
         assert arch.is_moe and arch.active_params < arch.params and layout.dp == (2 if "fsdp2" in name else 1)
         assert est.components["actor expert gradient copies"] == pytest.approx(4 * arch.expert_params, rel=0.01)
-        measured = max(memory_heldout.measure(name, steps=1))
+        measured = max(memory_heldout.measure(name, steps=2))  # the second step's peak: the heap holds both
         assert measured > 500 * MiB
         assert abs(est.peak_bytes - measured) / measured <= 0.10, (name, est.peak_bytes / MiB, measured / MiB)
