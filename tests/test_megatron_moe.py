@@ -5,9 +5,9 @@ x EP 1/2 (every rank's shards simulated); the routing each family gets in Megatr
 engine computes against transformers' own; the refusals (DeepSeek-V3 and gpt-oss, a dense actor at EP > 1, layouts
 that do not divide); the `expert_model_parallel_size` setting in the configs and an accelerate launch.
 Multi-process tests (gloo, fp32, tiny models built in code): the engine against the HF model at EP=2 on 2
-processes (log-probs, entropy, aux loss, export, one training step), at EP=2 x PP=2 on 4, and at EP=2 x TP=2 on 4 (a frozen model:
-Megatron trains an MoE at TP > 1 only with sequence parallelism); GRPO, PPO, DPO (aux loss on) and the facade at
-EP=2 against one process. Run them with `python -m pytest tests/test_megatron_moe.py -m multiprocess`.
+processes (log-probs, entropy, aux loss, export, one training step), at EP=2 x PP=2 on 4, and at EP=2 x TP=2 on 4
+(a frozen model: Megatron trains an MoE at TP > 1 only with sequence parallelism); GRPO, PPO, DPO (aux loss on)
+and the facade at EP=2 against one process. Run them with `python -m pytest tests/test_megatron_moe.py -m multiprocess`.
 """
 
 import json
