@@ -10,7 +10,8 @@ What a rank holds during a training step (each term is one line of :func:`memory
   buffer), divided by dp under ZeRO-2/3 and FSDP2;
 - **optimizer states**: AdamW's two moments (8 bytes a parameter; 2 for 8-bit AdamW, 0 for SGD) plus an fp32
   master copy where the weights are low precision, divided by dp under ZeRO-1/2/3, FSDP2 and Megatron's
-  distributed optimizer; offloaded states leave the device (on a CPU-only run they stay in the same RSS);
+  distributed optimizer; offloaded states leave the device with their gradient partition (ZeRO-Offload, FSDP2's
+  CPUOffloadPolicy) and are listed in `MemoryEstimate.host` (on a CPU-only run they stay in the same RSS);
 - **activations**: bytes saved for backward per token per layer (the tensors a Llama layer saves: the two norms'
   inputs and outputs, q / k / v after RoPE, the attention output and o_proj's input, the gated MLP's four
   intermediates; an MoE layer's MLP terms are those of the experts a token is routed to, plus the token dispatch's

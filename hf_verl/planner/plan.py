@@ -393,7 +393,7 @@ def plan(model: Any, *, num_devices: int, device_memory_gib: float, seq_len: int
     st, (layout, mems, total) = fits[0]
     rejected = _rejections(fits, misses, st, inp)
     sentence, state_bytes = _states_sentence(inp)
-    devices = f"{num_devices} x {device_memory_gib:.3g} GiB = {num_devices * device_memory_gib:.4g} GiB"
+    devices = f"{num_devices} x {device_memory_gib:.3g} GiB = {num_devices * device_memory_gib:.6g} GiB"
     if state_bytes > inp.device_bytes:
         need = (f"{sentence} do not fit one {device_memory_gib:.3g} GiB device ({devices}): they must be split "
                 f"over the devices ({_family(layout)} chosen)")
