@@ -4,11 +4,11 @@ Fast tests: PEFT's wrapped HF modules onto Megatron's linears (fused q/k/v and g
 refusals); the adapters sharded as the linears are, at TP degrees 1 and 2 simulated shard by shard: the merged shards
 through the bridge equal PEFT's own merge, the per-rank adapter pieces gathered equal PEFT's tensors, and the
 branch's output is the merged delta's.
-Multi-process tests (2 gloo processes, fp32, the tiny Qwen2 of tests/distributed/parity.py): GRPO and DPO with a
-LoraConfig (rslora on) at TP=2 and at PP=2 against the one-process accelerate run with the same LoraConfig: the
-logged losses (1e-5 relative), the adapter tensors saved by `save_model` (5e-5), and the saved adapter loaded by
-`PeftModel.from_pretrained` on the HF model gives the baseline's logits; a LoRA run at TP=2 resumed from its step-2
-checkpoint logs the uninterrupted run's losses.
+Multi-process tests (gloo processes, fp32, the tiny Qwen2 of tests/distributed/parity.py), with a LoraConfig (rslora
+on): GRPO at TP=2 and PP=2 (2 processes) and TP=2 x PP=2 (4), DPO at TP=2, against the one-process accelerate run
+with the same LoraConfig: the logged losses (1e-5 relative), the adapter tensors saved by `save_model` (5e-5), and
+the saved adapter loaded by `PeftModel.from_pretrained` on the HF model gives the baseline's logits; a LoRA run at
+TP=2 (lora_dropout=0.1) resumed from its step-2 checkpoint logs the uninterrupted run's losses.
 """
 
 import json
@@ -116,7 +116,7 @@ def test_sharded_adapters_merge_and_gather_to_pefts_tensors(tp, targets):
 # ---------------------------------------------------------------------- real processes
 from tests.test_megatron import _env, _failure, _torchrun  # noqa: E402
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # TP x PP = 4 on 4 processes
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def _adapter_logits(adapter_dir):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.optional_backend
-@pytest.mark.parametrize(("algo", "layout"), [("grpo", "tp2"), ("grpo", "pp2"), ("dpo", "tp2")])
+@pytest.mark.parametrize(("algo", "layout"), [("grpo", "tp2"), ("grpo", "pp2"), ("grpo", "tp2pp2"), ("dpo", "tp2")])
 def test_lora_trainers_on_megatron_equal_one_process(lora_baselines, tmp_path, algo, layout):
     """GRPO (reference: the adapters off; the rollout replica synced with the merged weights) and DPO with a
     LoraConfig on Megatron, against the one-process PEFT run: losses, metrics, the saved adapter's tensors, and
@@ -163,12 +163,12 @@ def test_lora_trainers_on_megatron_equal_one_process(lora_baselines, tmp_path, a
     from safetensors.torch import load_file
 
     tp, pp = LAYOUTS[layout]
-    proc = _torchrun(2, "tests.distributed.parity", algo, str(tmp_path), PARITY_MEGATRON=f"{tp},{pp}",
+    proc = _torchrun(tp * pp, "tests.distributed.parity", algo, str(tmp_path), PARITY_MEGATRON=f"{tp},{pp}",
                      PARITY_LORA="1")
     assert proc.returncode == 0, _failure(proc)
     want = json.loads((lora_baselines[algo] / "result.json").read_text())
     got = json.loads((tmp_path / "result.json").read_text())
-    assert (got["backend"], got["world"], got["dp_size"], got["roles"]) == ("megatron", 2, 1, {})  # no reference copy
+    assert (got["backend"], got["world"], got["dp_size"], got["roles"]) == ("megatron", tp * pp, 1, {})  # no ref copy
     assert got["trainable"] and all(".lora." in n for n in got["trainable"])  # the base is frozen
     assert got["export_names_match"] and got["export_max_error"] == 0.0  # merged export (B = 0 at the start)
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
