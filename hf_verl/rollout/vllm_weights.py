@@ -51,7 +51,7 @@ class CheckpointFormat:
             self.moe = bool(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None))
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-        except (ValueError, KeyError, OSError) as err:
+        except (ValueError, KeyError, OSError, ImportError) as err:
             logger.debug("no transformers class for %s (%s): weights go to vLLM under their own names", model_dir, err)
             return
         conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
