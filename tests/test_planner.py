@@ -459,11 +459,18 @@ def test_offload_layouts_follow_what_each_engine_runs():
 
 
 def test_host_memory_in_the_config_path(monkeypatch):
-    from hf_verl.planner.apply import _host_memory_gib
+    from hf_verl.planner.apply import _host_memory_gib, _runnable, explicit_layout
 
     assert _host_memory_gib(SimpleNamespace(host_memory_gib=512), "cuda") == 512
     assert _host_memory_gib(SimpleNamespace(), "cpu") is None  # a CPU run's host is its device memory
     assert _host_memory_gib(SimpleNamespace(), "cuda") > 0  # this machine's RAM
+    # what parallel="auto" applies by itself: FSDP2's CPU offload yes, ZeRO no (the launch's DeepSpeed config), EP
+    # only where the config has its field; a config's expert_model_parallel_size is an explicit layout
+    assert _runnable(Layout(dp=2, sharding="fsdp2", offload_params=True, offload_optimizer=True))
+    assert not _runnable(Layout(dp=2, sharding="zero2", offload_optimizer=True))
+    assert not _runnable(Layout(dp=2, ep=2), SimpleNamespace())
+    assert _runnable(Layout(dp=2, ep=2), SimpleNamespace(expert_model_parallel_size=1))
+    assert explicit_layout(SimpleNamespace(expert_model_parallel_size=2)) == "expert_model_parallel_size=2"
 
 
 # ------------------------------------------------------------------ parallel="auto" in the configs

@@ -43,7 +43,8 @@ def explicit_layout(config: Any) -> str | None:
     said = []
     if getattr(config, "backend", None) == "megatron":
         said.append("backend='megatron'")
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel_size"):
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel_size",
+                 "expert_model_parallel_size"):
         if (getattr(config, name, 1) or 1) > 1:
             said.append(f"{name}={getattr(config, name)}")
     env = os.environ
