@@ -3,7 +3,8 @@
 Each configuration trains a model built in code (fp32, AdamW, `--steps` optimizer steps of `pairs` preference pairs
 per process, every row `max_length` tokens) with `hf_verl.DPOTrainer`, one process (`python`) or two over gloo under
 a shipped CPU accelerate config (`accelerate launch --config_file configs/accelerate/fsdp2_cpu.yaml` or
-`ddp_cpu.yaml`), and reports each rank's peak RSS (`ru_maxrss`). The prediction is
+`ddp_cpu.yaml`, or `megatron_ep2_cpu.yaml`: the Megatron engine with expert parallelism 2), and reports each rank's
+peak RSS (`ru_maxrss`). The prediction is
 `hf_verl.planner.estimate_memory(model_config, DPOConfig(...), Layout(...), device="cpu")` for the same model,
 config and layout, computed in the parent before any run (it never sees a measurement).
 
@@ -70,9 +71,12 @@ HELD_OUT = {
     "llama30-ddp-256": ("llama30", "ddp", 256, 2),
     "moe2-fsdp2-256": ("moe2", "fsdp2", 256, 2),
     "moe2-plain-512": ("moe2", "plain", 512, 1),
+    # the Megatron engine's expert parallelism: two data-parallel ranks, eight of the 16 experts each
+    "moe-ep2-256": ("moe", "ep2", 256, 2),
 }
 CONFIGS = {**FIT, **HELD_OUT}
-LAUNCH = {"fsdp2": "configs/accelerate/fsdp2_cpu.yaml", "ddp": "configs/accelerate/ddp_cpu.yaml"}
+LAUNCH = {"fsdp2": "configs/accelerate/fsdp2_cpu.yaml", "ddp": "configs/accelerate/ddp_cpu.yaml",
+          "ep2": "configs/accelerate/megatron_ep2_cpu.yaml"}
 
 
 def model_config(name: str):
@@ -172,7 +176,10 @@ def predict(name: str, steps: int = 3):
 
     model, kind, _, pairs = CONFIGS[name]
     world = 1 if kind == "plain" else 2
-    layout = Layout(dp=world, sharding="fsdp2" if kind == "fsdp2" else "none", micro_batch_size=2 * pairs)
+    if kind == "ep2":  # Megatron: the distributed optimizer over the two data-parallel ranks, the experts over ep
+        layout = Layout(dp=2, sharding="zero1", ep=2, megatron=True, micro_batch_size=2 * pairs)
+    else:
+        layout = Layout(dp=world, sharding="fsdp2" if kind == "fsdp2" else "none", micro_batch_size=2 * pairs)
     config = model_config(model)
     with tempfile.TemporaryDirectory() as out:
         est = estimate_memory(config, dpo_args(name, out, steps, kind != "plain"), layout, device="cpu")

@@ -365,11 +365,11 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
             offloaded=grads_out)
         if layout.dp * layout.sp > 1 and layout.sharding == "none" and not layout.megatron:
             put("DDP gradient buckets", trained * 4)  # DDP spans the sequence-parallel ranks too
-        elif layout.sharding in ("zero1", "zero2", "zero3"):
+        elif layout.sharding in ("zero1", "zero2", "zero3") and not layout.megatron:  # DeepSpeed's, not Megatron's
             put("ZeRO buckets", min(trained, 5e8 / max(1, layout.dp)) * 4 * 2 / max(1, layout.dp))
         elif layout.sharding == "fsdp2" and shard_n > 1:
             put("reduce-scatter buffer", arch.layer_params * 4, resident=False)
-        if layout.sharding.startswith("zero") and wb == 4:
+        if layout.sharding.startswith("zero") and wb == 4 and not layout.megatron:
             put("ZeRO fp32 partition", trained * 4 / state_shard)  # DeepSpeed clones its partition in fp32
         # the optimizer step's own transient: the largest parameter's update temporaries (per-tensor AdamW)
         largest = max(arch.vocab * arch.hidden, arch.hidden * arch.intermediate,
@@ -423,7 +423,7 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
         # the all-gathered parameters of the forward and of the backward and the unsharded gradients before the
         # reduce-scatter pass through the host heap layer by layer, and its allocator keeps them
         put("gathered parameters and gradients (host heap)", 3 * local * wb, resident=False)
-    if work.device == "cpu" and layout.sharding in ("zero1", "zero2"):
+    if work.device == "cpu" and layout.sharding in ("zero1", "zero2") and not layout.megatron:
         put("ZeRO flattened parameters (host heap)", local * wb)  # the copy made while flattening, kept by the heap
     if not work.trainable:
         # a frozen role's forward runs before the trained roles' step (reference / old log-probs), not during it:
