@@ -6,7 +6,7 @@ completions and log-probs equal the trained model's.
   Qwen2-MoE / Qwen3-MoE answer with other completions after any sync (the CPU experts left unpacked).
 - `hf-verl serve` (a transformers model, started the documented way with `HF_VERL_SERVE_TOKEN`): GRPOTrainer with
   `placement={"generator": url}` syncs the fused 3-D expert tensors in buckets; the served model's state dict
-  names them the same way.
+  names them the same way; `hf-verl serve --engine vllm` (Mixtral) takes the same buckets through the vLLM engine.
 """
 
 import copy
@@ -105,3 +105,41 @@ def test_hf_verl_serve_serves_the_trained_moe(served_moe, tmp_path):
     assert served.completion_ids == local.completion_ids
     for a, b in zip(served.logprobs, local.logprobs):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.optional_backend
+def test_hf_verl_serve_with_the_vllm_engine_takes_fused_expert_buckets(tmp_path):
+    """`hf-verl serve --engine vllm` on Mixtral (the family whose vLLM loader takes only the checkpoint's names):
+    the transformers-5 fused expert tensors arrive in buckets and the served completions become the new model's."""
+    pytest.importorskip("vllm")
+    tok = build_char_tokenizer()
+    model = tiny_moe("mixtral", tok, hidden=128).eval()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_VERL_SERVE_TOKEN=TOKEN)
+    proc = subprocess.Popen([sys.executable, "-m", "hf_verl", "serve", str(tmp_path / "m"), "--engine", "vllm", "--port",
+                             str(port), "--max-model-len", "64", "--gpu-memory-utilization", "0.05"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        remote = RemoteEngine(f"http://127.0.0.1:{port}", token=TOKEN, max_retries=60, backoff_s=1.0,
+                              bucket_bytes=16 * 1024)
+        prompts = [tok(p)["input_ids"] for p in PROMPTS]
+        before = remote.generate(prompts, GREEDY)
+        assert before.completion_ids == TransformersEngine(model, tok).generate(prompts, GREEDY).completion_ids
+        trained = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+        remote.sync_weights(trained.state_dict().items())  # fused 3-D experts under transformers-5 names
+        after = remote.generate(prompts, GREEDY)
+        want = TransformersEngine(trained, tok).generate(prompts, GREEDY)
+        assert after.weight_version == 1 and after.completion_ids == want.completion_ids != before.completion_ids
+        for a, b in zip(after.logprobs, want.logprobs):
+            assert a == pytest.approx(b, abs=1e-3)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
