@@ -70,7 +70,8 @@ def common(out, world):
                 gradient_accumulation_steps=1,
                 **sp,
                 learning_rate=float(os.environ.get("PARITY_LR", "1e-3")), lr_scheduler_type="constant",
-                save_strategy="no", disable_tqdm=True, seed=11, gradient_checkpointing=False, bf16=False)
+                save_strategy="no", disable_tqdm=True, seed=11, bf16=False,
+                gradient_checkpointing=os.environ.get("PARITY_GRADIENT_CHECKPOINTING") == "1")
 
 
 def build(algo, out, world, tok):

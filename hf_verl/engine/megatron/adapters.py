@@ -50,6 +50,11 @@ class MegatronAdapters(AdapterEngine):
                             layer_offset=self._bridge.layer_offset, num_layers=self._bridge.num_layers,
                             total_layers=self._arch.num_layers, dtype=self._dtype, tp_group=group)
         peft.base_state = {}  # loaded: the engine owns the weights now
+        if getattr(self._config, "recompute_granularity", None) and self._first:
+            # Megatron's recompute (a reentrant checkpoint) back-propagates into a layer block only when its input
+            # needs a gradient; with the embedding frozen it does not, and the adapters inside would get none (what
+            # transformers' enable_input_require_grads does for a PEFT model)
+            self._stage.embedding.register_forward_hook(_input_requires_grad)
 
     # ------------------------------------------------------------------ the reference: adapters off
     @property
@@ -113,3 +118,7 @@ class MegatronAdapters(AdapterEngine):
             raise ValueError("a LoRA actor on backend='megatron' restores from its per-rank checkpoint "
                              "(load_checkpoint: base shards and adapters), not from whole HF weights.")
         super().load_full_state_dict(state)
+
+
+def _input_requires_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.requires_grad_(True) if torch.is_grad_enabled() else output
