@@ -142,6 +142,7 @@ class RoleBuilder:
         context = RolloutEngineContext(model=model, tokenizer=tokenizer, settings=settings, url=url, urls=urls,
                                        seed=seed, max_new_tokens=max_new_tokens, autocast_dtype=autocast_dtype)
         built = make_rollout_engine(name, context)
+        built.weight_sync_mode = getattr(settings, "weight_sync", "auto") or "auto"
         configure_router_replay(settings, actor, built)
         where = ", ".join(urls) or ("a replica of the actor" if replica is not None else
                                     "the actor's own weights" if name == "transformers" else "a copy of the actor")

@@ -14,16 +14,44 @@ Three cases, decided here once for both front-ends:
 The actor's export (:meth:`~hf_verl.engine.base.TrainingEngine.export_weights`) gathers FSDP2
 shards and ZeRO-3 partitions one tensor at a time, so the trainer never holds more than a bucket of
 whole tensors beyond its own shard.
+
+**Delta sync** (`weight_sync="delta"`, and `"auto"` for an engine whose bytes cross a wire: `hf-verl serve` through
+:class:`~hf_verl.rollout.remote.RemoteEngine`): the sending rank keeps what it last sent at the engine's dtype and
+streams, per tensor, nothing, a sparse delta or the whole tensor, whichever is smallest
+(:mod:`hf_verl.parallel.weight_delta`); exact at the engine's dtype. The engine's `last_sync_stats` holds the bytes
+sent and the bytes a full sync would have sent.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.parallel import comm, watchdog
+from hf_verl.parallel.weight_delta import DeltaTracker
 from hf_verl.parallel.weight_export import DEFAULT_BUCKET_BYTES
 from hf_verl.rollout.base import RolloutEngine
+
+logger = logging.getLogger(__name__)
+_TRACKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> what it was last sent
+
+
+def uses_delta_sync(engine: RolloutEngine) -> bool:
+    """Whether syncs of `engine` send only what changed (its `weight_sync_mode`, see the module docstring).
+
+    Raises:
+        ValueError: `"delta"` for an engine that takes whole tensors only.
+    """
+    mode = getattr(engine, "weight_sync_mode", "auto")
+    if mode not in ("auto", "full", "delta"):
+        raise ValueError(f"weight_sync must be 'auto', 'full' or 'delta', got {mode!r}.")
+    if mode == "delta" and not engine.accepts_weight_deltas:
+        raise ValueError(f"weight_sync='delta' needs a rollout engine that applies sparse deltas (hf-verl serve "
+                         f"through the remote engine); {type(engine).__name__} takes whole tensors: set "
+                         "weight_sync='auto' or 'full'.")
+    return mode == "delta" or (mode == "auto" and engine.accepts_weight_deltas)
 
 
 def shares_actor_weights(engine: RolloutEngine, actor: TrainingEngine) -> bool:
@@ -47,6 +75,19 @@ def sync_weights(actor: TrainingEngine, engine: RolloutEngine) -> float:
         if not actor.holds_full_weights:
             for _ in actor.export_weights(bucket):  # gathering is collective: walk the buckets, send nothing
                 pass
+    elif uses_delta_sync(engine):
+        tracker = _TRACKERS.setdefault(engine, DeltaTracker())
+        try:
+            engine.sync_weights(tracker.encode((pair for part in actor.export_weights(bucket) for pair in part),
+                                               engine.weight_dtype()))
+        except BaseException:
+            tracker.forget()  # the engine's state is unknown now: the next sync sends everything
+            raise
+        engine.last_sync_stats = dict(tracker.stats)
+        logger.info("delta weight sync: %d of %d bytes (%.1f%%; %d tensors unchanged, %d sparse, %d whole)",
+                    tracker.stats["bytes"], tracker.stats["full_bytes"],
+                    100.0 * tracker.stats["bytes"] / max(tracker.stats["full_bytes"], 1), tracker.stats["skipped"],
+                    tracker.stats["sparse"], tracker.stats["whole"])
     else:
         engine.sync_weights(pair for part in actor.export_weights(bucket) for pair in part)
     if engine.serves_every_rank:

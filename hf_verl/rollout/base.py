@@ -197,6 +197,18 @@ class RolloutEngine(abc.ABC):
     """Set by the round orchestrator under in-flight weight updates: each generated token is tagged with the
     engine's :attr:`weight_version` of the forward that gave its logits (`GenerationOutput.extra["token_versions"]`)."""
 
+    accepts_weight_deltas: bool = False
+    """Whether :meth:`sync_weights` takes sparse deltas (`<name>#delta_index` / `<name>#delta_value` entries,
+    :mod:`hf_verl.parallel.weight_delta`) besides whole tensors, and a sync of only what changed pays (bytes cross a
+    wire). `weight_sync="auto"` uses delta sync for such an engine."""
+
+    weight_sync_mode: str = "auto"
+    """`"auto"`, `"full"` or `"delta"`: set from the front-end's `weight_sync` setting."""
+
+    def weight_dtype(self):
+        """The dtype the engine holds floating weights in (what a delta is computed at); None when unknown."""
+        return None
+
     record_routing: bool = False
     """Whether :meth:`generate` records the experts a Mixture-of-Experts model routed each token to
     (`GenerationOutput.routed_experts`; routing replay). Set by the trainers when `router_replay=True`; an engine

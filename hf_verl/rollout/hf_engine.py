@@ -30,6 +30,7 @@ import torch
 
 from hf_verl.moe.routing import NOT_ROUTED, RoutingTap
 from hf_verl.parallel.precision import autocast
+from hf_verl.parallel.weight_delta import DELTA_INDEX, DELTA_VALUE, apply_sparse
 from hf_verl.rollout.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -444,9 +445,22 @@ class TransformersEngine(RolloutEngine):
         """
         targets = self.model.state_dict(keep_vars=True)
         copied = seen = 0
+        pending_index: dict[str, torch.Tensor] = {}  # a sparse delta's indices, until its values arrive
         with torch.no_grad(), self._turnstile, self._weights_lock:
             # streamed: a sharded actor sends one bucket at a time, so nothing here holds a second copy
             for name, tensor in named_tensors:
+                if name.endswith(DELTA_INDEX):
+                    pending_index[name[: -len(DELTA_INDEX)]] = tensor
+                    continue
+                if name.endswith(DELTA_VALUE):  # a sparse delta (hf_verl.parallel.weight_delta): changed elements
+                    base = name[: -len(DELTA_VALUE)]
+                    if base not in targets or base not in pending_index:
+                        raise ValueError(f"sync_weights got a delta for {base!r} without its indices or for no "
+                                         "parameter of the model (the weight version is unchanged).")
+                    apply_sparse(targets[base], pending_index.pop(base), tensor)
+                    seen += 1
+                    copied += 1
+                    continue
                 target = targets.get(name)
                 if target is None:
                     raise ValueError(f"sync_weights got an unknown parameter name {name!r} (after {seen} known "

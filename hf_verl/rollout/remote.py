@@ -154,6 +154,18 @@ class RemoteEngine(RequestBatchedEngine):
             self._model = data[0]["id"]
         return self._model
 
+    @property
+    def accepts_weight_deltas(self) -> bool:
+        """hf_verl's server applies sparse deltas (a vLLM server takes whole tensors only)."""
+        return self.backend != "vllm"
+
+    def weight_dtype(self):
+        """The served weights' dtype, as the server reports it (`GET /v1/weights/version`; asked once)."""
+        if getattr(self, "_weight_dtype", None) is None:
+            name = self._request("GET", "/v1/weights/version").get("dtype")
+            self._weight_dtype = getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else None
+        return self._weight_dtype
+
     def server_weight_version(self, *, retry: bool = True, timeout_s: float | None = None) -> int:
         """The weight version the server reports (`GET /v1/weights/version`); `retry=False` with a short
         `timeout_s` makes it a quick probe of whether the server is up."""

@@ -115,9 +115,9 @@ def build_app(server) -> FastAPI:
         return json_response({"object": "list", "data": [
             {"id": name, "object": "model", "owned_by": "hf_verl"} for name in server.served_model_names]})
 
-    @app.get("/v1/weights/version", summary="The current weight version")
+    @app.get("/v1/weights/version", summary="The current weight version (and the served weights' dtype)")
     async def weight_version():
-        return json_response({"weight_version": server.engine.weight_version})
+        return json_response({"weight_version": server.engine.weight_version, "dtype": server.weight_dtype})
 
     async def answer(body, chat: bool):
         if body.stream:

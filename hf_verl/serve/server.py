@@ -97,6 +97,10 @@ class RolloutServer(UvicornHost):
                 f"the network. Set {TOKEN_ENV} or pass --token-file, or serve on 127.0.0.1."
             )
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        model = getattr(engine, "model", None)
+        dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()] if isinstance(model, torch.nn.Module) \
+            else []
+        self.weight_dtype = str(dtypes[0]).replace("torch.", "") if dtypes else None  # what delta sync casts to
         if isinstance(engine, TransformersEngine) and is_moe_model(engine.model):
             engine.record_routing = True  # an MoE's answers can carry their routing (return_routed_experts)
         self.served_model_names = list(served_model_names or [model_name])

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from hf_verl.parallel.weight_delta import DELTA_INDEX, DELTA_VALUE, split_entries
 from hf_verl.rollout.base import RolloutEngine
 from hf_verl.serve.errors import ServeError
 
@@ -118,6 +119,10 @@ class WeightReceiver:
         if model is None or not hasattr(model, "state_dict"):
             return
         targets = model.state_dict()
+        deltas = {k: v for k, v in tensors.items() if k.endswith((DELTA_INDEX, DELTA_VALUE))}
+        if deltas:
+            self._check_deltas(deltas, targets)
+            tensors = {k: v for k, v in tensors.items() if k not in deltas}
         unknown = [k for k in tensors if k not in targets]
         if unknown:
             raise ServeError(400, f"unknown parameter name(s) {unknown[:5]}; names must be the model's state_dict "
@@ -131,8 +136,37 @@ class WeightReceiver:
             raise ServeError(400, f"non-floating tensors for floating weights {odd[:5]}; the weights are unchanged",
                              close=True)
 
+    @staticmethod
+    def _check_deltas(deltas: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
+        """Sparse deltas (:mod:`hf_verl.parallel.weight_delta`): a known floating parameter, integer indices within
+        it, floating values."""
+        for key, tensor in deltas.items():
+            name = key[: -len(DELTA_INDEX)] if key.endswith(DELTA_INDEX) else key[: -len(DELTA_VALUE)]
+            target = targets.get(name)
+            if target is None:
+                raise ServeError(400, f"delta for unknown parameter {name!r}; the weights are unchanged", close=True)
+            if tensor.dim() != 1:
+                raise ServeError(400, f"{key!r} must be 1-D; the weights are unchanged", close=True)
+            if key.endswith(DELTA_INDEX):
+                if tensor.is_floating_point() or (tensor.numel() and (int(tensor.min()) < 0 or
+                                                                      int(tensor.max()) >= target.numel())):
+                    raise ServeError(400, f"{key!r} must hold integer indices within the {target.numel()} elements "
+                                          f"of {name!r}; the weights are unchanged", close=True)
+            elif not tensor.is_floating_point() and target.is_floating_point():
+                raise ServeError(400, f"non-floating delta values for {name!r}; the weights are unchanged",
+                                 close=True)
+
     def apply(self, tensors: dict[str, torch.Tensor]) -> dict:
         """Load `tensors` into the engine under the generation lock; one version bump."""
+        try:
+            split_entries(tensors)  # every sparse delta complete (index and values, of one length)
+        except ValueError as err:
+            raise ServeError(400, f"{err} The weights are unchanged.", close=True) from None
+        if any(k.endswith(DELTA_VALUE) for k in tensors) and not isinstance(getattr(self.engine, "model", None),
+                                                                          torch.nn.Module):
+            raise ServeError(400, f"sparse weight deltas need the model in this process; this server's "
+                                  f"{type(self.engine).__name__} does not expose it: sync with weight_sync='full'",
+                             close=True)
         with self.lock:
             self.engine.sync_weights(tensors.items())
             version = self.engine.weight_version
