@@ -92,8 +92,10 @@ def dpo_args(name: str, out: str, steps: int, launched: bool):
     """The DPOConfig of configuration `name` (the same in the child and in the prediction)."""
     from hf_verl import DPOConfig
 
-    length, pairs = CONFIGS[name][2:]
+    kind, length, pairs = CONFIGS[name][1:]
     cpu = {} if launched else {"use_cpu": True}  # a launch's accelerate config asks for the CPU itself
+    if kind == "ep2":  # Megatron's recompute runs the routers without gradients: no checkpointing beside the aux loss
+        cpu["gradient_checkpointing"] = False
     return DPOConfig(output_dir=out, report_to=[], max_steps=steps, logging_steps=1000, save_strategy="no",
                      per_device_train_batch_size=pairs, learning_rate=1e-5, max_length=length, beta=0.1,
                      bf16=False, disable_tqdm=True, seed=0, dataloader_num_workers=0, **cpu)
@@ -176,13 +178,17 @@ def predict(name: str, steps: int = 3):
 
     model, kind, _, pairs = CONFIGS[name]
     world = 1 if kind == "plain" else 2
-    if kind == "ep2":  # Megatron: the distributed optimizer over the two data-parallel ranks, the experts over ep
-        layout = Layout(dp=2, sharding="zero1", ep=2, megatron=True, micro_batch_size=2 * pairs)
-    else:
-        layout = Layout(dp=world, sharding="fsdp2" if kind == "fsdp2" else "none", micro_batch_size=2 * pairs)
     config = model_config(model)
     with tempfile.TemporaryDirectory() as out:
-        est = estimate_memory(config, dpo_args(name, out, steps, kind != "plain"), layout, device="cpu")
+        args = dpo_args(name, out, steps, kind != "plain")
+        ckpt = bool(args.gradient_checkpointing)  # DPOConfig's default: on
+        if kind == "ep2":  # Megatron: the distributed optimizer over the two data-parallel ranks, the experts over ep
+            layout = Layout(dp=2, sharding="zero1", ep=2, megatron=True, micro_batch_size=2 * pairs,
+                            activation_checkpointing=ckpt)
+        else:
+            layout = Layout(dp=world, sharding="fsdp2" if kind == "fsdp2" else "none", micro_batch_size=2 * pairs,
+                            activation_checkpointing=ckpt)
+        est = estimate_memory(config, args, layout, device="cpu")
     return resolve_architecture(config), layout, est
 
 

@@ -12,6 +12,7 @@ parameters are partitioned).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -19,6 +20,8 @@ from hf_verl.planner.architectures import resolve_architecture, whole_numel
 from hf_verl.planner.memory import Layout, MemoryEstimate, Workload, memory_breakdown
 
 __all__ = ["estimate_memory", "layout_from_launch", "workload_from_args"]
+
+logger = logging.getLogger(__name__)
 
 _OPTIM = {"sgd": "sgd", "adafactor": "adafactor"}
 
@@ -153,6 +156,12 @@ def estimate_memory(model: Any, args: Any, layout: Any = None, *, device: str | 
     arch = resolve_architecture(model)
     w = workload_from_args(args)
     lay = _to_layout(layout, args, w["rows"], w["checkpointing"])
+    if isinstance(layout, Layout) and layout.activation_checkpointing != w["checkpointing"]:
+        # a given Layout wins, but a config that checkpoints (DPOConfig's default) against a layout that does not is
+        # the easy mistake: the activations differ by the layer count
+        logger.warning("estimate_memory: the layout says activation_checkpointing=%s but %s.gradient_checkpointing=%s; "
+                       "the layout's is used (set Layout(activation_checkpointing=...) to match the run).",
+                       layout.activation_checkpointing, type(args).__name__, w["checkpointing"])
     if device is None:
         import torch
 

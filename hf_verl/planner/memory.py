@@ -394,7 +394,8 @@ def memory_breakdown(arch: Architecture, layout: Layout, work: Workload, *, base
     if arch.is_moe and trained and not layout.megatron:
         # transformers' experts loop indexes the 3-D expert tensors once per expert: autograd builds a gradient of
         # the whole tensor for each and sums it into .grad, one more copy of the experts' fp32 gradients in backward
-        # (fitted on benchmarks/memory_heldout.py's fit set: moe-plain-256, moe-fsdp2-256)
+        # (added on benchmarks/memory_heldout.py's fit set, moe-plain-256 and moe-fsdp2-256, against predictions
+        # then made without the runs' checkpointing: docs/planner.md tells the order)
         put("expert gradient copies", experts * work.trainable_fraction * 4, resident=False)
 
     # ---- logits: scored positions x vocabulary, fp32
