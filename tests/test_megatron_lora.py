@@ -5,10 +5,11 @@ refusals); the adapters sharded as the linears are, at TP degrees 1 and 2 simula
 through the bridge equal PEFT's own merge, the per-rank adapter pieces gathered equal PEFT's tensors, and the
 branch's output is the merged delta's.
 Multi-process tests (gloo processes, fp32, the tiny Qwen2 of tests/distributed/parity.py), with a LoraConfig (rslora
-on): GRPO at TP=2 and PP=2 (2 processes) and TP=2 x PP=2 (4), DPO at TP=2, against the one-process accelerate run
-with the same LoraConfig: the logged losses (1e-5 relative), the adapter tensors saved by `save_model` (5e-5), and
-the saved adapter loaded by `PeftModel.from_pretrained` on the HF model gives the baseline's logits; a LoRA run at
-TP=2 (lora_dropout=0.1) resumed from its step-2 checkpoint logs the uninterrupted run's losses.
+on): GRPO at TP=2 and PP=2 (2 processes, Megatron's recompute on) and TP=2 x PP=2 (4), DPO and the facade (a
+PeftModel actor) at TP=2, against the one-process accelerate run with the same LoraConfig: the logged losses (1e-5
+relative), the adapter tensors saved by `save_model` / `save_pretrained` (5e-5), and the saved adapter loaded by
+`PeftModel.from_pretrained` on the HF model gives the baseline's logits; a LoRA run at TP=2 (lora_dropout=0.1)
+resumed from its step-2 checkpoint logs the uninterrupted run's losses.
 """
 
 import json
@@ -121,15 +122,15 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # TP x PP = 4 on 4 p
 
 @pytest.fixture(scope="module")
 def lora_baselines(tmp_path_factory):
-    """One process on the default backend (accelerate, PEFT), GRPO and DPO with tests/distributed/parity.py's
-    LoraConfig."""
+    """One process on the default backend (accelerate, PEFT), GRPO, DPO and the facade with
+    tests/distributed/parity.py's LoraConfig."""
     import subprocess
     import sys
 
     from tests.test_megatron import ROOT
 
     out = {}
-    for algo in ("grpo", "dpo"):
+    for algo in ("grpo", "dpo", "facade"):
         path = tmp_path_factory.mktemp(f"{algo}-lora-one-process")
         proc = subprocess.run([sys.executable, "-m", "tests.distributed.parity", algo, str(path)], cwd=ROOT,
                               env=_env(PARITY_LORA="1"), capture_output=True, text=True, timeout=600)
@@ -156,10 +157,12 @@ def _adapter_logits(adapter_dir):
 @pytest.mark.multiprocess
 @pytest.mark.optional_backend
 @pytest.mark.parametrize(("algo", "layout", "recompute"),
-                         [("grpo", "tp2", True), ("grpo", "pp2", True), ("grpo", "tp2pp2", False), ("dpo", "tp2", False)])
+                         [("grpo", "tp2", True), ("grpo", "pp2", True), ("grpo", "tp2pp2", False), ("dpo", "tp2", False),
+                          ("facade", "tp2", False)])
 def test_lora_trainers_on_megatron_equal_one_process(lora_baselines, tmp_path, algo, layout, recompute):
-    """GRPO (reference: the adapters off; the rollout replica synced with the merged weights) and DPO with a
-    LoraConfig on Megatron, against the one-process PEFT run: losses, metrics, the saved adapter's tensors, and
+    """GRPO (reference: the adapters off; the rollout replica synced with the merged weights), DPO and the facade
+    (a PeftModel actor, its critic on Megatron too, `save_pretrained`) with a LoraConfig on Megatron, against the
+    one-process PEFT run: losses, metrics, the saved adapter's tensors, and
     its logits once `PeftModel.from_pretrained` loads it. `recompute`: with gradient_checkpointing on the Megatron
     side only (Megatron's full-layer recompute; the adapters behind a frozen embedding still get their gradients)."""
     from safetensors.torch import load_file

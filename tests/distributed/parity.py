@@ -134,7 +134,12 @@ def facade_run(out, world, tok, rank):
     from hf_verl.parallel import comm
 
     prompts = ["abc", "xyz", "hello", "ab", "b", "cc"]
-    facade = Trainer(actor_model=tiny_qwen2(tok), reference_model=tiny_qwen2(tok),
+    actor, reference = tiny_qwen2(tok), tiny_qwen2(tok)
+    if lora_config("facade") is not None:  # a PeftModel actor: its reference is the actor with the adapters off
+        from peft import get_peft_model
+
+        actor, reference = get_peft_model(actor, lora_config("facade")), None
+    facade = Trainer(actor_model=actor, reference_model=reference,
                      critic_model=tiny_qwen2(tok, "Qwen2ForSequenceClassification", seed=1, num_labels=1),
                      reward_model=count_a, tokenizer=tok,
                      config=dict(num_generations=4, max_completion_length=6, beta=0.05, learning_rate=1e-3,
@@ -187,7 +192,10 @@ def main(algo: str, out: str) -> None:
                            "world": facade.dims.world_size, "dp_size": facade.dims.dp_size, "sp": facade.dims.sp,
                            "attention": engine.config._attn_implementation,
                            "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
-                           "export_max_error": 0.0, "export_names_match": True}, f)
+                           "export_max_error": 0.0, "export_names_match": True,
+                           "roles": {} if facade.roles.engine("reference") is None else {"reference": "engine"},
+                           "trainable": sorted(n for n, p in engine.model.named_parameters() if p.requires_grad)},
+                          f)
         return
     trainer = build(algo, out, world, tok)
     initial = {k: v.detach().clone() for k, v in tiny_qwen2(tok).state_dict().items()}
