@@ -213,6 +213,7 @@ class _Inputs:
     host_bytes: float | None = None
     features: Any = None
     shares_base: tuple[str, ...] = ()  # frozen roles that run on the actor's base weights (LoRA: adapters off)
+    actors_model: tuple[str, ...] = ()  # frozen roles given no model of their own (the actor's)
 
 
 def _role_memory(inp: _Inputs, layout: Layout) -> dict[str, MemoryEstimate]:
@@ -374,10 +375,10 @@ def plan(model: Any, *, num_devices: int, device_memory_gib: float, seq_len: int
         raise ValueError(f"host_memory_gib must be > 0 or None, got {host_memory_gib!r}.")
     lora = trainable_fraction < 1
     # a LoRA actor's reference is its own base with the adapters off: no second copy of the weights
-    shares = tuple(r for r, m in named.items() if r == "reference" and m is None and lora)
+    own = tuple(r for r, m in named.items() if r == "reference" and m is None)
     inp = _Inputs(archs, seq_len, completion_len or seq_len, precision, optimizer, trainable_fraction,
                   global_batch, rollout and algo != "dpo", hardware, device_memory_gib * GiB, device,
-                  None if host_memory_gib is None else host_memory_gib * GiB, features, shares)
+                  None if host_memory_gib is None else host_memory_gib * GiB, features, own if lora else (), own)
     given = allow
 
     def allow(lay: Layout) -> bool:  # what the engines run (capabilities), and what the caller allows
@@ -529,7 +530,10 @@ def _infeasible(inp: _Inputs, n: int, misses, actor: Architecture, allow=None) -
         if _search(inp, actor, n * more, allow)[0]:
             hints.append(f"add devices: {n * more} fit")
             break
-    if inp.trainable_fraction >= 1 and _search(replace(inp, trainable_fraction=0.01), actor, n, allow)[0]:
+    # LoRA: adapters where the engine trains them, the reference as the actor's base with the adapters off
+    lora_inp = replace(inp, trainable_fraction=0.01, shares_base=inp.actors_model)
+    if inp.trainable_fraction >= 1 and _search(lora_inp, actor, n, lambda lay: (
+            allow(lay) and _offered(lay, actor, True, inp.features)))[0]:
         hints.append("train LoRA adapters (trainable_fraction=0.01 fits)")
     acts = sum(v for k, v in total.components.items() if k.endswith(("activations", "logits")))
     if acts > 0.25 * total.peak_bytes:
