@@ -235,12 +235,14 @@ SETTINGS: dict[str, Setting] = {
     "per_row_sampling_seed": Setting(False, (bool,), lambda v: True, "True or False",
                                    "Sample each completion from its own stream seeded by (seed, rollout, row): "
                                    "rollouts then do not depend on how rows are batched or split over ranks."),
-    "weight_sync": Setting("auto", (str,), lambda v: v in ("auto", "full", "delta"), "'auto', 'full' or 'delta'",
+    "weight_sync": Setting("auto", (str,), lambda v: v in ("auto", "full", "delta", "adapter"),
+                           "'auto', 'full', 'delta' or 'adapter'",
                            "How the rollout engine gets new weights: 'delta' sends per tensor nothing, the changed "
                            "elements or the whole tensor, whichever is smallest, at the engine's dtype (exact; the "
                            "sending rank keeps one copy of the weights at that dtype in host memory); 'full' streams "
-                           "every weight; 'auto' is 'delta' where bytes cross a wire (hf-verl serve) and 'full' "
-                           "in-process (docs/rollout.md)."),
+                           "every weight; 'adapter' (a PEFT LoRA actor, hf-verl serve) sends the base weights once "
+                           "and then only the adapters; 'auto' is 'delta' where bytes cross a wire (hf-verl serve) "
+                           "and 'full' in-process (docs/rollout.md)."),
     "in_flight_weight_updates": Setting(False, (bool,), lambda v: True, "True or False",
                                         "With use_async_rollout: each optimizer step's weights are streamed into the "
                                         "running background generation and land between two decode steps "

@@ -337,8 +337,8 @@ class AccelerateEngine(HFLayouts, TrainingEngine):
 
     # ------------------------------------------------------------------ weights
     def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None,
-                       to_cpu: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        return iter_weight_buckets(self._model, bucket_bytes, dtype=dtype, to_cpu=to_cpu)
+                       to_cpu: bool = False, lora: str = "merged") -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return iter_weight_buckets(self._model, bucket_bytes, dtype=dtype, to_cpu=to_cpu, lora=lora)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's own state dict (PEFT keys included), whole, on the main rank; a collective."""

@@ -134,14 +134,30 @@ def _merged_whole(layer: nn.Module, param: str, base: torch.Tensor) -> torch.Ten
         return _merged(layer, param, base.data).clone()
 
 
-def _weight_sources(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]]:
+LORA_PARTS = ("merged", "base", "adapter")
+"""What a PEFT model exports: its weights with the adapters merged (default), its base weights alone (adapters
+left out), or the adapters alone (under the PEFT model's own `state_dict` names, adapter name included)."""
+
+
+def _weight_sources(model: nn.Module, lora: str = "merged"
+                    ) -> Iterator[tuple[str, torch.Tensor, Callable[[], torch.Tensor]]]:
     """Yield ``(hf_name, reference_tensor, materialise)`` in ``state_dict()`` order.
 
     ``reference_tensor`` is only read for shape and dtype; ``materialise()`` returns the full
-    (gathered, merged) tensor and is called lazily, one tensor at a time.
+    (gathered, merged) tensor and is called lazily, one tensor at a time. ``lora``: one of :data:`LORA_PARTS`.
     """
+    if lora not in LORA_PARTS:
+        raise ValueError(f"lora must be one of {LORA_PARTS}, got {lora!r}.")
     model = unwrap_model(model)
     base = _peft_base(model)
+    if lora != "merged" and base is None:
+        raise ValueError(f"exporting the {lora} weights of LoRA adapters needs a PEFT model; "
+                         f"{type(model).__name__} has no adapters.")
+    if lora == "adapter":
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if _LORA_PART.search(key):
+                yield key, tensor, lambda t=tensor: _full(t)
+        return
     if base is None:
         for name, tensor in model.state_dict(keep_vars=True).items():
             yield name, tensor, lambda t=tensor: _full(t)
@@ -162,6 +178,9 @@ def _weight_sources(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Calla
         prefix, _, param = key.rpartition(".base_layer.")
         name = key.replace(".base_layer", "")  # every level, should wrappers be nested
         if "." in param:  # a submodule of the wrapped layer: not a LoRA-merged tensor
+            yield name, tensor, lambda t=tensor: _full(t)
+            continue
+        if lora == "base":
             yield name, tensor, lambda t=tensor: _full(t)
             continue
         layer = base.get_submodule(prefix)
@@ -204,6 +223,7 @@ def iter_weight_buckets(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
     to_cpu: bool = False,
+    lora: str = "merged",
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Stream the actor's full weights, HF-named, in buckets of at most ``bucket_bytes``.
 
@@ -214,6 +234,8 @@ def iter_weight_buckets(
             cast). A single tensor larger than the budget is yielded alone in its own bucket.
         dtype (`torch.dtype`, *optional*): Cast every tensor to this dtype (e.g. the engine's).
         to_cpu (`bool`, defaults to `False`): Move the tensors to CPU.
+        lora (`str`, defaults to `"merged"`): a PEFT model's part (:data:`LORA_PARTS`): merged weights, the base
+            weights alone, or the adapters alone (adapter-only weight sync).
 
     Yields:
         `list[tuple[str, torch.Tensor]]`: Detached ``(name, tensor)`` pairs, names as in the plain
@@ -224,7 +246,7 @@ def iter_weight_buckets(
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
     current = n_buckets = total = 0
-    for name, ref, materialise in _weight_sources(model):
+    for name, ref, materialise in _weight_sources(model, lora):
         n = _nbytes(ref, dtype)
         if bucket and current + n > bucket_bytes:
             n_buckets, total = n_buckets + 1, total + current

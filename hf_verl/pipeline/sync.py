@@ -45,8 +45,8 @@ def uses_delta_sync(engine: RolloutEngine) -> bool:
         ValueError: `"delta"` for an engine that takes whole tensors only.
     """
     mode = getattr(engine, "weight_sync_mode", "auto")
-    if mode not in ("auto", "full", "delta"):
-        raise ValueError(f"weight_sync must be 'auto', 'full' or 'delta', got {mode!r}.")
+    if mode not in ("auto", "full", "delta", "adapter"):
+        raise ValueError(f"weight_sync must be 'auto', 'full', 'delta' or 'adapter', got {mode!r}.")
     if mode == "delta" and not engine.accepts_weight_deltas:
         raise ValueError(f"weight_sync='delta' needs a rollout engine that applies sparse deltas (hf-verl serve "
                          f"through the remote engine); {type(engine).__name__} takes whole tensors: set "
@@ -71,7 +71,9 @@ def sync_weights(actor: TrainingEngine, engine: RolloutEngine) -> float:
         return time.perf_counter() - t0
     bucket = getattr(engine, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
     dims = actor.dims
-    if engine.serves_every_rank and not dims.is_main:
+    if getattr(engine, "weight_sync_mode", "auto") == "adapter":
+        _sync_adapter(actor, engine, bucket, send=dims.is_main or not engine.serves_every_rank)
+    elif engine.serves_every_rank and not dims.is_main:
         if not actor.holds_full_weights:
             for _ in actor.export_weights(bucket):  # gathering is collective: walk the buckets, send nothing
                 pass
@@ -93,3 +95,59 @@ def sync_weights(actor: TrainingEngine, engine: RolloutEngine) -> float:
     if engine.serves_every_rank:
         comm.barrier(dims)  # no rank generates on the server before the update is in
     return time.perf_counter() - t0
+
+
+_ADAPTER_SENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> adapter created on it
+
+
+def _json_safe(value):
+    if isinstance(value, (set, frozenset, tuple)):
+        return sorted(_json_safe(v) for v in value) if isinstance(value, (set, frozenset)) else [
+            _json_safe(v) for v in value]
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if hasattr(value, "value") and not isinstance(value, (int, float, str, bool)):  # an enum
+        return value.value
+    return value
+
+
+def _sync_adapter(actor: TrainingEngine, engine: RolloutEngine, bucket: int, send: bool = True) -> None:
+    """`weight_sync="adapter"`: a PEFT actor's base weights once, then only its LoRA adapters (see
+    :meth:`~hf_verl.rollout.remote.RemoteEngine.sync_adapter`).
+
+    Raises:
+        ValueError: an engine that takes no adapters, or an actor without LoRA adapters.
+    """
+    from hf_verl.parallel.weight_export import unwrap_model
+
+    if not getattr(engine, "accepts_adapters", False):
+        raise ValueError(f"weight_sync='adapter' needs a rollout engine that loads LoRA adapters (hf-verl serve through "
+                         f"the remote engine); {type(engine).__name__} does not: set weight_sync='auto' (merged "
+                         "weights).")
+    model = unwrap_model(actor.model)
+    if not hasattr(model, "peft_config"):
+        raise ValueError(f"weight_sync='adapter' needs a PEFT LoRA actor (peft_config=...); the actor is a "
+                         f"{type(model).__name__}: set weight_sync='auto'.")
+    name = model.active_adapter
+    config = _json_safe({k: v for k, v in model.peft_config[name].to_dict().items() if v is not None})
+    first = engine not in _ADAPTER_SENT
+    base = (pair for part in actor.export_weights(bucket, lora="base") for pair in part) if first else None
+    sent = []
+
+    def counted(pairs):
+        for name_, tensor in pairs:
+            sent.append(tensor.numel() * tensor.element_size())
+            yield name_, tensor
+
+    adapter = counted(pair for part in actor.export_weights(bucket, lora="adapter") for pair in part)
+    if send:
+        engine.sync_adapter(name, config, base, adapter)
+    elif not actor.holds_full_weights:  # gathering is collective: walk what the main rank sends
+        for _ in (base or ()):
+            pass
+        for _ in adapter:
+            pass
+    _ADAPTER_SENT[engine] = name
+    engine.last_sync_stats = {"adapter_bytes": sum(sent)}

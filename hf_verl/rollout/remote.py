@@ -155,6 +155,26 @@ class RemoteEngine(RequestBatchedEngine):
         return self._model
 
     @property
+    def accepts_adapters(self) -> bool:
+        """hf_verl's server takes LoRA adapters inline (`/v1/load_lora_adapter` with a `lora_config`)."""
+        return self.backend != "vllm"
+
+    def sync_adapter(self, name: str, config: dict, base: Iterable[tuple[str, torch.Tensor]] | None,
+                     adapter: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Adapter-only weight sync: the first time, the base weights (`base`, unmerged) and the adapter's
+        creation (`/v1/load_lora_adapter` with `config`); every time, the adapter's tensors (PEFT names) through
+        `/v1/weights`. Later requests name the adapter as their `model`."""
+        if base is not None:
+            self.sync_weights(base)
+            url = f"{self.base_url}/v1/load_lora_adapter"
+            body = json.dumps({"lora_name": name, "lora_config": config, "load_inplace": True}).encode()
+            answer = self._request("POST", "/v1/load_lora_adapter", body, auth=True)
+            if answer.get("loaded") != name:
+                raise RolloutServerError(f"{url} did not load the adapter: {answer}")
+            self._model = name  # requests name the adapter from now on
+        self.sync_weights(adapter)
+
+    @property
     def accepts_weight_deltas(self) -> bool:
         """hf_verl's server applies sparse deltas (a vLLM server takes whole tensors only)."""
         return self.backend != "vllm"

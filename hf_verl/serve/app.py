@@ -162,6 +162,21 @@ def build_app(server) -> FastAPI:
         result = await loop.run_in_executor(server.weights_pool, server.weights.receive_bucket, *bucket, payload)
         return json_response(result)
 
+    async def _adapter_route(request: Request, handler):
+        check_bearer(server.token, request.headers.get("authorization"))  # an adapter changes what is served
+        body = await _json_body(request, limit=2**20)
+        loop = asyncio.get_running_loop()
+        return json_response(await loop.run_in_executor(server.weights_pool, handler, body))
+
+    @app.post("/v1/load_lora_adapter", summary="Load a LoRA adapter (vLLM's body; or an inline lora_config)",
+              dependencies=[Depends(bearer)])
+    async def load_lora_adapter(request: Request):
+        return await _adapter_route(request, server.adapters.load)
+
+    @app.post("/v1/unload_lora_adapter", summary="Unload a LoRA adapter", dependencies=[Depends(bearer)])
+    async def unload_lora_adapter(request: Request):
+        return await _adapter_route(request, server.adapters.unload)
+
     return app
 
 

@@ -11,12 +11,14 @@ request's in float rounding, as between any two batch compositions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from hf_verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 class _Job:
     prompts: list[list[int]]
     sampling: SamplingParams
+    adapter: str | None = None  # a loaded LoRA adapter's name (hf_verl.serve.adapters), None: the base model
     future: Future = field(default_factory=Future)
 
 
@@ -53,18 +56,21 @@ class RequestBatcher:
         max_rows (`int`, defaults to 256): completions per batched call; a larger request runs alone.
     """
 
-    def __init__(self, engine: RolloutEngine, lock: threading.Lock, max_rows: int = 256) -> None:
+    def __init__(self, engine: RolloutEngine, lock: threading.Lock, max_rows: int = 256, adapters: Any = None) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}.")
         self.engine, self.lock, self.max_rows = engine, lock, max_rows
+        self.adapters = adapters  # an AdapterHost: each batch runs with its adapter (or none) active
         self._queue: deque[_Job] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
-        """One completion per prompt, generated alone or batched with other requests; blocks until done."""
-        job = _Job(prompts, sampling)
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 adapter: str | None = None) -> GenerationOutput:
+        """One completion per prompt, generated alone or batched with other requests (of the same `adapter`);
+        blocks until done."""
+        job = _Job(prompts, sampling, adapter)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the server is shutting down")
@@ -98,8 +104,8 @@ class RequestBatcher:
         first = self._queue.popleft()
         batch, rows, rest = [first], len(first.prompts), deque()
         for job in self._queue:
-            if first.sampling.seed is None and job.sampling == first.sampling and rows + len(job.prompts) <= \
-                    self.max_rows:
+            if first.sampling.seed is None and job.sampling == first.sampling and job.adapter == first.adapter and \
+                    rows + len(job.prompts) <= self.max_rows:
                 batch.append(job)
                 rows += len(job.prompts)
             else:
@@ -109,7 +115,8 @@ class RequestBatcher:
 
     def _serve(self, batch: list[_Job]) -> None:
         try:
-            with self.lock:
+            with self.lock, (self.adapters.context(batch[0].adapter) if self.adapters is not None
+                             else contextlib.nullcontext()):
                 out = self.engine.generate([p for job in batch for p in job.prompts], batch[0].sampling)
         except Exception as err:  # noqa: BLE001 (handed to the waiting requests)
             if len(batch) > 1:  # one request's failure must not fail the others: each alone

@@ -38,6 +38,7 @@ import torch
 from hf_verl.moe.routing import is_moe_model
 from hf_verl.rollout.base import RolloutEngine, SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
+from hf_verl.serve.adapters import AdapterHost
 from hf_verl.serve.auth import TOKEN_ENV, is_loopback, read_token  # noqa: F401 (the public names of this module)
 from hf_verl.serve.batching import RequestBatcher
 from hf_verl.serve.errors import ServeError, describe_validation_error
@@ -110,7 +111,8 @@ class RolloutServer(UvicornHost):
         self.body_timeout_s = body_timeout_s
         self.lock = threading.Lock()  # generation and weight application never interleave
         self.weights = WeightReceiver(engine, self.lock, staging_timeout_s)
-        self.batcher = RequestBatcher(engine, self.lock, max_batch_rows)
+        self.adapters = AdapterHost(engine, self.lock)
+        self.batcher = RequestBatcher(engine, self.lock, max_batch_rows, adapters=self.adapters)
         self.weights_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-verl-serve-weights")
         self._encode_lock = threading.Lock()  # a fast tokenizer must not be encoding in two threads at once
         self._listen(host, port)
@@ -142,7 +144,7 @@ class RolloutServer(UvicornHost):
                                   f"engine; this server's {type(self.engine).__name__} does not record routing",
                              "return_routed_experts")
         prompts, sampling = self.prepare(req, self.prompt_ids(req.prompts), req.max_tokens or 16)
-        out = self.batcher.generate(prompts, sampling)
+        out = self.batcher.generate(prompts, sampling, self.adapter_of(req))
         return Answer(False, self.model_name, self.tokenizer).response(
             list(zip(out.completion_ids, out.logprobs, out.finish_reasons)), prompts, out.weight_version,
             routed=out.routed_experts if req.return_routed_experts else None)
@@ -169,7 +171,7 @@ class RolloutServer(UvicornHost):
             if req.max_tokens == 0:
                 out = [([], [], "length") for _ in rows]
                 break
-            generated = self.batcher.generate(rows, sampling)
+            generated = self.batcher.generate(rows, sampling, self.adapter_of(req))
             out = list(zip(generated.completion_ids, generated.logprobs, generated.finish_reasons))
             if generated.weight_version == version:
                 break
@@ -181,13 +183,16 @@ class RolloutServer(UvicornHost):
         req = _validated(ChatCompletionRequest, body)
         prompt = self.chat_prompt_ids(req)
         prompts, sampling = self.prepare(req, [prompt], self._chat_max_tokens(req, prompt))
-        out = self.batcher.generate(prompts, sampling)
+        out = self.batcher.generate(prompts, sampling, self.adapter_of(req))
         return Answer(True, self.model_name, self.tokenizer, logprobs=req.logprobs).response(
             list(zip(out.completion_ids, out.logprobs, out.finish_reasons)), prompts, out.weight_version)
 
     def stream(self, body: SamplingRequest, chat: bool) -> Callable[[threading.Event], Iterator[dict]]:
         """Check a streamed request and return what produces its chunks (see :mod:`hf_verl.serve.streaming`);
         a bad request raises here, before the stream starts."""
+        if self.adapters.names:
+            raise ServeError(400, "stream=true is not supported while LoRA adapters are loaded on hf-verl serve; "
+                                  "send the request without stream", "stream")
         if chat:
             req = _validated(ChatCompletionRequest, body)
             prompt = self.chat_prompt_ids(req)
@@ -199,8 +204,13 @@ class RolloutServer(UvicornHost):
             answer = Answer(False, self.model_name, self.tokenizer)
         return lambda cancel: self._chunks(answer, req, prompts, sampling, cancel)
 
+    def adapter_of(self, req: SamplingRequest) -> str | None:
+        """The loaded LoRA adapter a request names as its `model` (None: the base model, adapters off)."""
+        return req.model if req.model in self.adapters.names else None
+
     def _chunks(self, answer: Answer, req: SamplingRequest, prompts: list[list[int]], sampling: SamplingParams,
                 cancel: threading.Event) -> Iterator[dict]:
+
         if steppable(self.engine):
             deltas = stepped_deltas(self.engine, self.lock, self.tokenizer, prompts, sampling, cancel)
         else:
@@ -223,9 +233,10 @@ class RolloutServer(UvicornHost):
                 max_new_tokens: int) -> tuple[list[list[int]], SamplingParams]:
         """Check `req` against the served names and the caps; return the rows (each prompt `n` times) and
         the sampling parameters."""
-        if req.model is not None and req.model not in self.served_model_names:
+        if req.model is not None and req.model not in self.served_model_names + self.adapters.names:
             raise ServeError(404, f"The model `{req.model}` does not exist. This server serves "
-                                  f"{', '.join(repr(m) for m in self.served_model_names)}.", "model")
+                                  f"{', '.join(repr(m) for m in self.served_model_names + self.adapters.names)}.",
+                             "model")
         if req.n > self.max_n:
             raise ServeError(400, f"n={req.n} exceeds this server's cap of {self.max_n} completions per prompt", "n")
         if max_new_tokens > self.max_tokens:

@@ -45,8 +45,8 @@ class RolloutArguments:
         "packed layout it replaces (see docs/benchmarks.md#shared-prompts), the model attends with sdpa and has no "
         "sliding-window layers; True: whenever two rows share a prompt (an error when the model cannot); False: never."))
     weight_sync: str = setting_field("weight_sync", None, (
-        "'auto' (delta sync to hf-verl serve, full in-process), 'full', or 'delta': send only the changed elements "
-        "at the engine's dtype, exactly (docs/rollout.md)."))
+        "'auto' (delta sync to hf-verl serve, full in-process), 'full', 'delta' (only the changed elements at the "
+        "engine's dtype, exactly) or 'adapter' (a LoRA actor: only the adapters move; docs/rollout.md)."))
     in_flight_weight_updates: bool = setting_field("in_flight_weight_updates", None, (
         "With use_async_rollout: weight updates land in the running generation between two decode steps (partial "
         "rollouts); every token carries its policy version and a token older than max_staleness is not trained."))

@@ -31,8 +31,9 @@ class WeightsEngine(EngineModel):
 
     @abc.abstractmethod
     def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None,
-                       to_cpu: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full HF-named tensors, bucket by bucket (a collective on sharded layouts: every rank iterates)."""
+                       to_cpu: bool = False, lora: str = "merged") -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-named tensors, bucket by bucket (a collective on sharded layouts: every rank iterates); a PEFT
+        actor's `lora` part: `"merged"`, `"base"` or `"adapter"` (adapter-only sync)."""
 
     @abc.abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
