@@ -145,6 +145,21 @@ def test_the_engine_replays_only_when_asked_and_logs_the_metrics():
         engine.logprobs(RolloutBatch(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask))
 
 
+def test_a_packed_padding_free_forward_replays_as_the_padded_one():
+    tok = build_char_tokenizer()
+    model = moe_model(tok, hidden=64, experts=16, layers=3)
+    batch = _rollout(model, tok, ["abc", "hello there", "xyz", "ab"] * 2, autocast_dtype=torch.bfloat16,
+                     max_new_tokens=12)
+    out = {}
+    for padding_free in (False, True):
+        engine = make_engine(model, "actor", LAYOUT, trainable=True, padding_free=padding_free)
+        engine.router_replay = True
+        out[padding_free] = engine.logprobs(batch)[0], engine.take_routing_metrics()
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    assert out[True][1]["moe/replayed_tokens"] == pytest.approx(out[False][1]["moe/replayed_tokens"])
+    assert out[True][1]["moe/routing_agreement"] == pytest.approx(out[False][1]["moe/routing_agreement"])
+
+
 def test_routing_metrics_on_a_hand_made_record():
     natural = torch.tensor([[[0, 1]], [[2, 3]], [[1, 0]], [[0, 2]]])  # 4 tokens, 1 layer, top-2, 4 experts
     record = torch.tensor([[[1, 0]], [[2, 1]], [[-1, -1]], [[0, 2]]])

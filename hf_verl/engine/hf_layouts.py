@@ -89,6 +89,15 @@ def scatter_completion(batch: RolloutBatch, flat: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def packed_routing(batch: RolloutBatch, length: int) -> torch.Tensor:
+    """A rollout's routing record in the packed layout (:func:`~hf_verl.data.packing.pack_rollout`): the real
+    tokens of every row in order, then -1 for the padding tail up to `length`; `(length, layers, top_k)`."""
+    real = batch.attention_mask.bool()
+    record = batch.routed_experts[real]
+    tail = record.new_full((length - record.shape[0], *record.shape[1:]), -1)
+    return torch.cat([record, tail])
+
+
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only (left padding does not shift them)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -129,18 +138,15 @@ class HFLayouts:
             raise ValueError("router_replay=True but this rollout batch carries no routing record "
                              "(prompt_routed_experts / completion_routed_experts): its rollout engine does not record "
                              "routing. Use the transformers, vllm or remote engine, or set router_replay=False.")
-        if replay and self.dims.sp > 1:
-            raise ValueError("router_replay=True does not combine with sequence_parallel_size > 1 yet: set "
-                             "sequence_parallel_size=1 or router_replay=False.")
-        plain = with_aux_loss or replay  # routing is replayed (and its metrics taken) over padded rows
-        packs = self._packs(batch, plain)
-        if self.dims.sp == 1 and (layout := self._rollout_layout(batch, packs, plain)) is not None:
+        packs = self._packs(batch, with_aux_loss)
+        if self.dims.sp == 1 and not replay and (layout := self._rollout_layout(batch, packs, with_aux_loss)) \
+                is not None:  # a replayed routing is laid out padded or packed, not by shared prompt
             stats = self.shared_token_logprobs(layout, temperature=temperature if temperature > 0 else 1.0,
                                                chunk_size=chunk_size, with_entropy=with_entropy)
             entropy = scatter_completion(batch, stats.entropy) if with_entropy else None
             return scatter_completion(batch, stats.logp), entropy
         if packs:
-            return self._packed_logprobs(batch, temperature, chunk_size, with_entropy)
+            return self._packed_logprobs(batch, temperature, chunk_size, with_entropy, tap=tap, replay=replay)
         input_ids, mask, select, targets = rollout_positions(batch)
         record = batch.routed_experts
         record = None if record is None else record.reshape(-1, *record.shape[2:])
@@ -158,11 +164,8 @@ class HFLayouts:
 
     # ------------------------------------------------------------------ Mixture of Experts: routing
     def _routing_tap(self) -> RoutingTap | None:
-        """The model's routing tap when it is a Mixture-of-Experts model on one sequence-parallel rank (None
-        otherwise): its forwards record the routers' choices (metrics) and replay a rollout's with
-        :attr:`router_replay`."""
-        if self.dims.sp > 1:
-            return None
+        """The model's routing tap when it is a Mixture-of-Experts model (None otherwise): its forwards record the
+        routers' choices (metrics) and replay a rollout's with :attr:`router_replay`."""
         return RoutingTap.of(self.model)
 
     def routing_window(self) -> contextlib.AbstractContextManager:
@@ -288,18 +291,32 @@ class HFLayouts:
         return {"hidden_size": hidden, "intermediate_size": getattr(config, "intermediate_size", None) or 4 * hidden,
                 "kv_fraction": kv / heads}
 
-    def _packed_logprobs(self, batch: RolloutBatch, temperature: float, chunk_size: int, with_entropy: bool):
+    def _packed_logprobs(self, batch: RolloutBatch, temperature: float, chunk_size: int, with_entropy: bool,
+                         tap: RoutingTap | None = None, replay: bool = False):
         """:meth:`logprobs` over a padding-free packed batch, its sequence split over the `sp` ranks
-        (:mod:`hf_verl.parallel.ulysses`); every rank of the group gets the whole `(B, C)` result."""
+        (:mod:`hf_verl.parallel.ulysses`); every rank of the group gets the whole `(B, C)` result. A Mixture of
+        Experts' routers see this rank's shard of the packed tokens: a replayed routing is packed and sharded
+        alike."""
         from hf_verl.data.packing import pack_rollout
         from hf_verl.parallel.ulysses import packed_logprobs, use_segment_attention
 
         use_segment_attention(self.model)  # per-row causal attention (sequence parallelism has set it already)
         packed = pack_rollout(batch, multiple_of=self.dims.sp, pad_token_id=self._pad_token_id())
-        with self.autocast():
-            return packed_logprobs(self.module, self._lm_head(), packed, self.dims,
-                                   temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
-                                   with_entropy=with_entropy)
+        record = packed_routing(batch, packed.length) if tap is not None and batch.routed_experts is not None \
+            else None
+        length = packed.length // self.dims.sp
+        start = self.dims.sp_rank * length if self.dims.sp > 1 else 0
+        shard = None if record is None else record[start : start + length]
+        with self.autocast(), tap.recording(shard if replay else None) if tap is not None else \
+                contextlib.nullcontext():
+            out = packed_logprobs(self.module, self._lm_head(), packed, self.dims,
+                                  temperature=temperature if temperature > 0 else 1.0, chunk_size=chunk_size,
+                                  with_entropy=with_entropy)
+            if tap is not None:
+                real = torch.arange(start, start + length, device=packed.input_ids.device) < packed.num_tokens
+                self.last_routing = routing_metrics(tap.take(), real, tap.num_experts, recorded=shard,
+                                                    replayed=replay)
+        return out
 
     def rows_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
                       temperature: float = 1.0, chunk_size: int = 1024, with_mean_logit: bool = False):
