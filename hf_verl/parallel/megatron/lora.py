@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,7 +68,6 @@ class PeftLora:
     adapters: dict[str, Adapter]
     config: Any
     adapter_name: str = "default"
-    targets: dict[str, Any] = field(default_factory=dict)
 
 
 def read_peft(model: Any) -> PeftLora | None:
@@ -97,8 +96,8 @@ def read_peft(model: Any) -> PeftLora | None:
                          "drop them, or use another backend (ddp, fsdp2, zero) for them.")
     adapters: dict[str, Adapter] = {}
     for module_name, module in model.named_modules():
-        if not isinstance(module, LoraLayer) or name not in getattr(module, "lora_A", {}) and \
-                name not in getattr(module, "lora_embedding_A", {}):
+        adapted = name in getattr(module, "lora_A", {}) or name in getattr(module, "lora_embedding_A", {})
+        if not isinstance(module, LoraLayer) or not adapted:
             continue
         hf = module_name.removeprefix(PEFT_PREFIX)
         if not isinstance(module, LoraLinearLayer) or name not in module.lora_A:
