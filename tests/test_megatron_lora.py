@@ -5,9 +5,9 @@ refusals); the adapters sharded as the linears are, at TP degrees 1 and 2 simula
 through the bridge equal PEFT's own merge, the per-rank adapter pieces gathered equal PEFT's tensors, and the
 branch's output is the merged delta's.
 Multi-process tests (gloo processes, fp32, the tiny Qwen2 of tests/distributed/parity.py), with a LoraConfig (rslora
-on): GRPO at TP=2 and PP=2 (2 processes, Megatron's recompute on) and TP=2 x PP=2 (4), DPO and the facade (a
-PeftModel actor) at TP=2, against the one-process accelerate run with the same LoraConfig: the logged losses (1e-5
-relative), the adapter tensors saved by `save_model` / `save_pretrained` (5e-5), and the saved adapter loaded by
+on): GRPO at TP=2 and PP=2 (2 processes, Megatron's recompute on), at TP=2 x PP=2 and at TP=2 x DP=2 (4), DPO and
+the facade (a PeftModel actor) at TP=2, against the one-process accelerate run with the same LoraConfig: the logged
+losses (1e-5 relative), the adapter tensors saved by `save_model` / `save_pretrained` (5e-5), and the saved adapter loaded by
 `PeftModel.from_pretrained` on the HF model gives the baseline's logits; a LoRA run at TP=2 (lora_dropout=0.1)
 resumed from its step-2 checkpoint logs the uninterrupted run's losses.
 """
@@ -117,7 +117,8 @@ def test_sharded_adapters_merge_and_gather_to_pefts_tensors(tp, targets):
 # ---------------------------------------------------------------------- real processes
 from tests.test_megatron import _env, _failure, _torchrun  # noqa: E402
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # TP x PP = 4 on 4 processes
+# (tp, pp, processes): the processes left over are data-parallel (the distributed optimizer shards over them)
+LAYOUTS = {"tp2": (2, 1, 2), "pp2": (1, 2, 2), "tp2pp2": (2, 2, 4), "tp2dp2": (2, 1, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +158,8 @@ def _adapter_logits(adapter_dir):
 @pytest.mark.multiprocess
 @pytest.mark.optional_backend
 @pytest.mark.parametrize(("algo", "layout", "recompute"),
-                         [("grpo", "tp2", True), ("grpo", "pp2", True), ("grpo", "tp2pp2", False), ("dpo", "tp2", False),
-                          ("facade", "tp2", False)])
+                         [("grpo", "tp2", True), ("grpo", "pp2", True), ("grpo", "tp2pp2", False),
+                          ("grpo", "tp2dp2", False), ("dpo", "tp2", False), ("facade", "tp2", False)])
 def test_lora_trainers_on_megatron_equal_one_process(lora_baselines, tmp_path, algo, layout, recompute):
     """GRPO (reference: the adapters off; the rollout replica synced with the merged weights), DPO and the facade
     (a PeftModel actor, its critic on Megatron too, `save_pretrained`) with a LoraConfig on Megatron, against the
@@ -167,14 +168,15 @@ def test_lora_trainers_on_megatron_equal_one_process(lora_baselines, tmp_path, a
     side only (Megatron's full-layer recompute; the adapters behind a frozen embedding still get their gradients)."""
     from safetensors.torch import load_file
 
-    tp, pp = LAYOUTS[layout]
-    proc = _torchrun(tp * pp, "tests.distributed.parity", algo, str(tmp_path), PARITY_MEGATRON=f"{tp},{pp}",
+    tp, pp, world = LAYOUTS[layout]
+    proc = _torchrun(world, "tests.distributed.parity", algo, str(tmp_path), PARITY_MEGATRON=f"{tp},{pp}",
                      PARITY_LORA="1", PARITY_GRADIENT_CHECKPOINTING="1" if recompute else "0")
     assert proc.returncode == 0, _failure(proc)
     want = json.loads((lora_baselines[algo] / "result.json").read_text())
     got = json.loads((tmp_path / "result.json").read_text())
-    assert (got["backend"], got["world"], got["dp_size"], got["roles"]) == ("megatron", tp * pp, 1, {})  # no ref copy
-    assert got["trainable"] and all(".lora." in n for n in got["trainable"])  # the base is frozen
+    assert (got["backend"], got["world"], got["dp_size"], got["roles"]) == ("megatron", world, world // (tp * pp), {})
+    # no reference copy above; the base is frozen below
+    assert got["trainable"] and all(".lora." in n for n in got["trainable"])
     assert got["export_names_match"] and got["export_max_error"] == 0.0  # merged export (B = 0 at the start)
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
     for key, values in want["extra"].items():
