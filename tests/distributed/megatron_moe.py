@@ -13,8 +13,7 @@ rollout (EP spans data-parallel ranks: the all-to-all dispatcher sends tokens be
 - the engine's HF export (experts gathered over EP and TP) with the original weights, bit for bit;
 - one `forward_backward` + `optimizer_step` of `-mean log-prob + 0.1 x aux loss` with the same step in HF on the
   same rank's rows, gradients averaged over the data-parallel ranks as Megatron's DDP does (loss, weights); at
-  TP=1 only: Megatron-Core trains an MoE at TP > 1 only with sequence parallelism, which the engine does not run,
-  so at TP > 1 the engine is built frozen (a reference) and the step is skipped.
+  TP > 1 the engine runs Megatron's sequence parallelism (Megatron-Core trains an MoE under TP only so).
 
 Every rank writes `OUT/rank{k}.json` with its worst differences per family.
 """
@@ -99,11 +98,10 @@ def main(out: str) -> None:
     result = {}
     for family in FAMILIES:
         hf, ref = model(family), model(family)
-        engine = MegatronEngine(hf, role="actor" if tp == 1 else "reference", dims=dims, trainable=tp == 1)
+        engine = MegatronEngine(hf, role="actor", dims=dims, trainable=True)
         # Adam's eps at 1e-6: a first step moves an entry by lr x g / (|g| + eps), so at the default 1e-8 an entry whose
         # gradient averages to ~1e-9 over the data-parallel ranks shows float rounding as a visible step difference
-        if tp == 1:
-            engine.configure_optimizer(OptimizerSpec(torch.optim.AdamW, {"lr": 1e-2, "eps": 1e-6}, max_grad_norm=None))
+        engine.configure_optimizer(OptimizerSpec(torch.optim.AdamW, {"lr": 1e-2, "eps": 1e-6}, max_grad_norm=None))
         r = {}
         with torch.no_grad():
             want_lp, want_h, want_aux = hf_forward(ref, b)
@@ -117,9 +115,6 @@ def main(out: str) -> None:
         original = ref.state_dict()
         r["export_names"] = sorted(exported) == sorted(original)
         r["export"] = max((exported[k] - original[k]).abs().max().item() for k in exported)
-        if tp > 1:
-            result[family] = r
-            continue
 
         # one step: -mean log-prob of the completion tokens + coef x aux loss, two micro-batches averaged
         micro = [b.select(slice(0, 2)), b.select(slice(2, 4))]

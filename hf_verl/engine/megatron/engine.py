@@ -108,11 +108,6 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronAdapters, Me
         self._arch = architecture(model.config)
         # EP splits experts: a dense actor is refused; dense critics / reward models beside an MoE actor run unsplit
         check_layout(self._arch, dims.tp, dims.pp, dims.ep if role == "actor" or self._arch.is_moe else 1)
-        if self._arch.is_moe and dims.tp > 1 and trainable:
-            raise ValueError(f"training the {role} (a Mixture of Experts) at tensor_model_parallel_size={dims.tp} needs "
-                             "Megatron's sequence parallelism, which hf_verl's Megatron engine does not run yet: train "
-                             "it with tensor_model_parallel_size=1 and expert_model_parallel_size for the experts (a "
-                             "frozen MoE reference or reward model may use TP x EP).")
         self._dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
         init_parallel_state(dims, seed)
         from megatron.core import parallel_state as ps
@@ -124,7 +119,9 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronAdapters, Me
         with cpu_compat():
             self._config = transformer_config(self._arch, tp=dims.tp, pp=dims.pp, dtype=self._dtype,
                                               gradient_checkpointing=gradient_checkpointing and trainable,
-                                              ep=dims.ep if self._arch.is_moe else 1)
+                                              ep=dims.ep if self._arch.is_moe else 1,
+                                              # Megatron-Core runs an MoE under TP with sequence parallelism only
+                                              sequence_parallel=self._arch.is_moe and dims.tp > 1)
             stage = build_stage(self._arch, self._config, role_kind=self._kind, pre_process=self._first,
                                 post_process=self._last, tp=dims.tp)
         per_stage = self._arch.num_layers // dims.pp
@@ -172,7 +169,10 @@ class MegatronEngine(MegatronScoring, MegatronOptimization, MegatronAdapters, Me
 
         def hook(module, args, output):
             if output.requires_grad:
-                keep = (args[0] != pad).unsqueeze(-1).to(output.dtype)
+                keep = args[0] != pad
+                if keep.shape != output.shape[:2]:  # sequence parallel: this TP rank's [s / tp, b] slice
+                    keep = keep.t().chunk(self.dims.tp)[self._tp_rank]
+                keep = keep.unsqueeze(-1).to(output.dtype)
                 output.register_hook(lambda grad: grad * keep)
 
         lookup.register_forward_hook(hook)

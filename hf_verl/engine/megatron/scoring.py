@@ -20,6 +20,11 @@ forward hook on each layer's router (`decoder.layers[i].mlp.router`, left in pla
 logits from its input while a plan asks for them, so the loss and its gradient reach the router and the layers
 below. On each data-parallel rank it covers that rank's tokens, as under DDP.
 
+Under sequence parallelism (an MoE at TP > 1: Megatron-Core trains one under TP only so) each TP rank holds a slice
+of the sequence between the layers: a plan's rows are padded to a multiple of TP (masked positions that nothing
+scores, :meth:`MegatronScoring._sequence_parallel_pad`), the LM head's pre-hook and the value head gather the
+sequence, and the router logits are gathered before the aux loss.
+
 Requests served at every layout: :class:`~hf_verl.engine.step.LogProbs`, :class:`~hf_verl.engine.step.Values`,
 :class:`~hf_verl.engine.step.SamplingStatistics`, and any request that states its forward as a
 :class:`~hf_verl.engine.step.TokenQuery` (DPO's pairs); at `pp=1` also any other request built on the primitives
@@ -109,7 +114,12 @@ class MegatronScoring(ModelScoring):
     def _keep_router_logits(self, module, args, output):
         plan = self._aux_plan
         if plan is not None and plan.router_logits is not None:
-            plan.router_logits.append(torch.nn.functional.linear(args[0], module.weight.to(args[0].dtype)))
+            logits = torch.nn.functional.linear(args[0], module.weight.to(args[0].dtype))
+            if self._config.sequence_parallel:  # every TP rank computes the loss over the whole sequence
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                logits = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=False)
+            plan.router_logits.append(logits)
 
     def _aux_loss(self, plan: Plan) -> torch.Tensor:
         """The plan's load-balancing loss (see :func:`load_balancing_loss`), from the logits its forward kept."""
@@ -127,7 +137,16 @@ class MegatronScoring(ModelScoring):
         go into the plan's box, and the head is called on no row (its output is not read). The plan's `finish`
         runs the head on them in chunks (:meth:`_head_stats`): prompt and padding positions never reach it."""
         plan, self._head_plan = self._head_plan, None
-        if plan is None or plan.head_rows is None:
+        if plan is None:  # not the model's forward (the plan's finish calling the head on the rows it took)
+            return None
+        if self._config.sequence_parallel:  # each TP rank's slice of the sequence: the head scores whole rows
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # the head (its output layer without sequence parallelism) sums the TP ranks' gradients itself
+            args = (gather_from_sequence_parallel_region(args[0], tensor_parallel_output_grad=False), *args[1:])
+            if plan.head_rows is None:
+                return args, kwargs
+        if plan.head_rows is None:
             return None
         rows = plan.head_rows
         hidden = args[0].transpose(0, 1)  # [b, s, h]
@@ -162,10 +181,36 @@ class MegatronScoring(ModelScoring):
 
     def _run(self, plan: Plan, model: torch.nn.Module | None = None) -> torch.Tensor:
         """The stage's forward of a plan (the LM head on the plan's scored positions only)."""
+        T = plan.input_ids.shape[1]
+        if self._config.sequence_parallel:
+            self._sequence_parallel_pad(plan)
         self._head_plan = plan if self._last else None
         self._aux_plan = plan if plan.router_logits is not None else None
         with cpu_compat():
-            return (model or self.module)(plan.input_ids, plan.position_ids, plan.attention_mask)
+            output = (model or self.module)(plan.input_ids, plan.position_ids, plan.attention_mask)
+        return output[:, :T] if self._last and plan.input_ids.shape[1] != T else output
+
+    def _sequence_parallel_pad(self, plan: Plan) -> None:
+        """Pad the plan's rows to a multiple of the TP degree (sequence parallelism splits the sequence): masked
+        positions (each attending to itself only) that no head scores and the aux loss does not count."""
+        B, T = plan.input_ids.shape
+        pad = -T % self.dims.tp
+        if pad == 0:
+            return
+        ids = plan.input_ids
+        plan.input_ids = torch.cat([ids, ids.new_zeros(B, pad)], 1)
+        plan.position_ids = torch.cat([plan.position_ids, plan.position_ids.new_zeros(B, pad)], 1)
+        mask = torch.ones(B, 1, T + pad, T + pad, dtype=torch.bool, device=ids.device)
+        mask[..., :T, :T] = plan.attention_mask
+        plan.attention_mask = mask
+        rows = plan.head_rows
+        if rows is not None and rows.dtype == torch.bool:
+            plan.head_rows = torch.cat([rows, rows.new_zeros(B, pad)], 1)
+        elif rows is not None:  # flat positions into B x T
+            plan.head_rows = rows // T * (T + pad) + rows % T
+        if plan.router_logits is not None:
+            kept = torch.ones(B, T, dtype=torch.long, device=ids.device) if plan.token_mask is None else plan.token_mask
+            plan.token_mask = torch.cat([kept, kept.new_zeros(B, pad)], 1)
 
     def _check_length(self, T: int) -> None:
         window = self._arch.sliding_window

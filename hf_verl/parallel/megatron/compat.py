@@ -18,7 +18,11 @@ duration of a Megatron call:
   fork come from the CPU stream; hf_verl trains with dropout off);
 - `torch.distributed.all_to_all_single` takes split sizes given as tensors (the MoE all-to-all dispatcher copies
   its splits to the host as numpy arrays from a GPU; on the CPU they stay tensors, which the collective's binding
-  refuses): they are passed on as lists, while the context is open.
+  refuses): they are passed on as lists, while the context is open;
+- `torch.distributed.all_gather` / `reduce_scatter` over lists of tensors of different first dimensions (the MoE
+  dispatcher's uneven token counts under sequence parallelism; NCCL takes them, gloo refuses): the same result
+  through equal-size collectives (pieces padded to the longest, then cut back; a reduce-scatter as an all-reduce of
+  the whole, each rank keeping its piece), while the context is open; equal sizes go to the collective unchanged.
 
 The engine enters it around every call into Megatron-Core; the CPU mapping applies only when CUDA is unavailable
 (:func:`needed`): on a GPU machine Megatron-Core runs unmodified. Contexts nest (a reference count). On every
@@ -146,6 +150,38 @@ def _all_to_all_single(collective: Any) -> Any:
     return all_to_all_single
 
 
+def _uneven_all_gather(collective: Any) -> Any:
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if len({t.shape for t in tensor_list} | {tensor.shape}) == 1 or async_op:
+            return collective(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(t.shape[0] for t in tensor_list)
+        padded = torch.zeros(longest, *tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in tensor_list]
+        collective(parts, padded, group=group)
+        for out, part in zip(tensor_list, parts):
+            out.copy_(part[: out.shape[0]])
+        return None
+
+    return all_gather
+
+
+def _uneven_reduce_scatter(collective: Any) -> Any:
+    import torch.distributed as dist
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if len({t.shape for t in input_list} | {output.shape}) == 1 or async_op:
+            return collective(output, input_list, op=op, group=group, async_op=async_op)
+        whole = torch.cat([t.reshape(t.shape[0], -1) for t in input_list]).contiguous()
+        dist.all_reduce(whole, op=op, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.shape[0] for t in input_list[:rank])
+        output.copy_(whole[start : start + output.shape[0]].reshape(output.shape))
+        return None
+
+    return reduce_scatter
+
+
 def _replacements() -> list[tuple[Any, str, Any]]:
     import torch.distributed as dist
     from megatron.core.tensor_parallel import random as mrandom
@@ -169,6 +205,8 @@ def _replacements() -> list[tuple[Any, str, Any]]:
         (mrandom, "_get_cuda_rng_state", _cpu_rng_get),
         (mrandom, "_set_cuda_rng_state", _cpu_rng_set),
         (dist, "all_to_all_single", _all_to_all_single(dist.all_to_all_single)),
+        (dist, "all_gather", _uneven_all_gather(dist.all_gather)),
+        (dist, "reduce_scatter", _uneven_reduce_scatter(dist.reduce_scatter)),
     ]
 
 

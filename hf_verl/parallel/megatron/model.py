@@ -13,6 +13,9 @@ all-to-all token dispatcher, dropless) with the HF model's routing: softmax -> t
 renormalises (`norm_topk_prob`; always for Mixtral) is Megatron's top-k over the logits then a softmax over the k
 (`moe_router_pre_softmax=False`), and without renormalisation a softmax over every expert then top-k
 (`moe_router_pre_softmax=True`). Megatron's own load-balancing loss is off: the engine computes the HF one.
+At TP > 1 an MoE runs with Megatron's sequence parallelism (Megatron-Core trains an MoE under TP only so):
+:class:`SequenceParallelRMSNorm` in place of its torch norm (which refuses it), the heads' input gathered by the
+engine (:class:`ValueHead` here, the LM head in the engine's pre-hook).
 """
 
 from __future__ import annotations
@@ -208,14 +211,39 @@ def _transformer_config(TransformerConfig, arch, tp, pp, dtype, sequence_paralle
 
 class ValueHead(torch.nn.Module):
     """A critic's one-output head in the place of `GPTModel.output_layer` (called as Megatron calls its output
-    layer, returning `(output, bias)`); replicated over tensor-parallel ranks."""
+    layer, returning `(output, bias)`); replicated over tensor-parallel ranks. Under sequence parallelism its input
+    (each TP rank's slice of the sequence) is gathered first; every rank then computes every value."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight), None
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """PyTorch's RMSNorm built as Megatron builds a norm (`config, hidden_size, eps`), for sequence parallelism:
+    Megatron's torch-norm wrapper refuses it, and the weight is marked `sequence_parallel` so that Megatron sums its
+    gradient over the tensor-parallel ranks (each normalises its slice of the sequence)."""
+
+    marks_sequence_parallel = True
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel and self.marks_sequence_parallel
+
+
+class HeadRMSNorm(SequenceParallelRMSNorm):
+    """The same norm on each query / key head (Qwen3's q/k norms): the heads see the whole sequence; Megatron sums
+    their weights' gradients over the TP ranks by name (each rank holds other heads)."""
+
+    marks_sequence_parallel = False
 
 
 def build_stage(arch: Architecture, config: Any, *, role_kind: str, pre_process: bool, post_process: bool,
@@ -236,12 +264,24 @@ def build_stage(arch: Architecture, config: Any, *, role_kind: str, pre_process:
         from hf_verl.parallel.megatron.attention import SDPAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPAttention  # PyTorch's fused kernels
+        block = spec
+        if config.sequence_parallel:  # the layers' and the final norm: norms that take sequence parallelism
+            from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+            spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+            if arch.family.qk_norm:
+                attention = spec.submodules.self_attention.submodules
+                attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
+            block = TransformerBlockSubmodules(layer_specs=[spec] * (arch.num_layers // config.pipeline_model_parallel_size),
+                                               layer_norm=SequenceParallelRMSNorm)
         tied = arch.tied and role_kind == "causal_lm"
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=arch.padded_vocab(tp),
+        model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=arch.padded_vocab(tp),
                          max_sequence_length=arch.max_positions, pre_process=pre_process, post_process=post_process,
                          share_embeddings_and_output_weights=tied, position_embedding_type="rope",
                          rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
                          parallel_output=True)
     if role_kind == "value" and post_process:
-        model.output_layer = ValueHead(arch.hidden_size, config.params_dtype)
+        model.output_layer = ValueHead(arch.hidden_size, config.params_dtype, config.sequence_parallel)
+    elif post_process and config.sequence_parallel:
+        model.output_layer.sequence_parallel = False  # the engine's pre-hook gathers the sequence for the LM head
     return model
