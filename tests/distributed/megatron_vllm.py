@@ -5,7 +5,8 @@ Each rank holds its Megatron shards of a policy that has taken two optimizer ste
 HF-named tensors bucket by bucket (tensor-parallel slices gathered per parameter, pipeline stages in turn) into
 it; then vLLM's greedy completions must equal HF `generate` on the trained weights (`save_pretrained` of the
 engine, loaded back). Each rank writes `rank<k>.json` with the completions, the log-prob gap, the sync time and
-how far the engine was off before the sync.
+how far the engine was off before the sync. `MEGATRON_LORA=1`: the actor is a PEFT LoRA model (its adapters train;
+the sync sends the merged weights; the trained model is the saved adapter loaded by PEFT and merged).
 """
 
 import json
@@ -45,7 +46,13 @@ def main(out_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = ParallelDims.data_parallel(world, rank, shard=False, tp=tp, pp=pp)
     tok = build_char_tokenizer()
-    actor = MegatronEngine(_model(tok, seed=0).train(), role="actor", dims=dims, trainable=True)
+    lora = os.environ.get("MEGATRON_LORA") == "1"
+    policy = _model(tok, seed=0).train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        policy = get_peft_model(policy, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    actor = MegatronEngine(policy, role="actor", dims=dims, trainable=True)
     actor.configure_optimizer(OptimizerSpec(torch.optim.AdamW, {"lr": 5e-2}, max_grad_norm=1.0))
     g = torch.Generator().manual_seed(0)
     batch = RolloutBatch(prompt_ids=torch.randint(3, len(tok), (4, 3), generator=g),
@@ -64,15 +71,22 @@ def main(out_dir: str) -> None:
     dist.broadcast_object_list(shared, src=0)
     actor.save_pretrained(shared[0])  # a collective; the main rank writes
     dist.barrier()
-    trained = AutoModelForCausalLM.from_pretrained(shared[0]).eval()
+    if lora:  # the saved PEFT adapter on the initial model, merged
+        from peft import PeftModel
+
+        trained = PeftModel.from_pretrained(_model(tok, seed=0), shared[0]).merge_and_unload().eval()
+    else:
+        trained = AutoModelForCausalLM.from_pretrained(shared[0]).eval()
+    initial = _model(tok, seed=0).state_dict()
     want = TransformersEngine(trained, tok).generate(prompts, GREEDY)
     before = engine.generate(prompts, GREEDY)
     seconds = sync_weights(actor, engine)
     after = engine.generate(prompts, GREEDY)
-    result = {"rank": rank, "world": world, "tp": tp, "pp": pp, "weight_version": engine.weight_version,
+    result = {"rank": rank, "world": world, "tp": tp, "pp": pp, "weight_version": engine.weight_version, "lora": lora,
               "vllm_greedy": after.completion_ids, "hf_greedy": want.completion_ids,
               "greedy_logp_gap": _gap(after.logprobs, want.logprobs),
-              "stale_logp_gap": _gap(before.logprobs, want.logprobs), "sync_s": seconds}
+              "stale_logp_gap": _gap(before.logprobs, want.logprobs), "sync_s": seconds,
+              "trained_vs_initial": max((v - initial[k]).abs().max().item() for k, v in trained.state_dict().items())}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
