@@ -160,7 +160,7 @@ def test_expert_parallel_size_in_the_layout_and_the_configs(tmp_path, monkeypatc
 @pytest.mark.parametrize("tp,pp,ep,world", [(1, 1, 2, 2), (2, 1, 2, 4), (1, 2, 2, 4)],
                          ids=["ep2", "ep2xtp2", "ep2xpp2"])
 def test_the_moe_engine_equals_the_hf_model(tmp_path, tp, pp, ep, world):
-    """Every MoE family in one launch: log-probs / entropy / aux loss within 1e-5 of the HF model on each
+    """Every MoE family in one launch: log-probs / entropy / aux loss / a critic's values within 1e-5 of the HF model on each
     data-parallel rank's own rows, the export (experts gathered over EP and TP, stages in turn) bit-exact; one step
     of -log-prob + 0.1 x aux loss (no aux loss at PP=2) equals HF's (loss 1e-5, weights 5e-5)."""
     proc = _torchrun(world, "tests.distributed.megatron_moe", str(tmp_path), MEGATRON_TP=str(tp), MEGATRON_PP=str(pp),
@@ -173,7 +173,7 @@ def test_the_moe_engine_equals_the_hf_model(tmp_path, tp, pp, ep, world):
         for family, r in got["families"].items():
             assert r["export_names"] and r["export"] == 0.0, (rank, family)
             assert r["aux_value"] > 1.0, (rank, family)  # E x sum f_e p_e: 1 when balanced, here about 2 (top-2)
-            for key in ("logprob", "entropy", "aux_loss", "loss"):
+            for key in ("logprob", "entropy", "aux_loss", "loss", "values"):
                 assert r[key] < 1e-5, (rank, family, key, r[key])
             assert r["weights"] < 5e-5, (rank, family, r["weights"], r["worst"])
 

@@ -11,6 +11,7 @@ rollout (EP spans data-parallel ranks: the all-to-all dispatcher sends tokens be
 - the router load-balancing loss the engine returns (`LogProbs(with_aux_loss=True)`) with the HF model's
   `aux_loss` (transformers' `load_balancing_loss_func` over the rollout's attention mask);
 - the engine's HF export (experts gathered over EP and TP) with the original weights, bit for bit;
+- a frozen MoE critic's values (`AutoModelForSequenceClassification`, one label) with the HF model's;
 - one `forward_backward` + `optimizer_step` of `-mean log-prob + 0.1 x aux loss` with the same step in HF on the
   same rank's rows, gradients averaged over the data-parallel ranks as Megatron's DDP does (loss, weights); at
   TP > 1 the engine runs Megatron's sequence parallelism (Megatron-Core trains an MoE under TP only so).
@@ -28,7 +29,7 @@ import transformers
 
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.hf_layouts import position_ids_from_mask, rollout_positions, scatter_completion
-from hf_verl.engine.step import LogProbs, OptimizerSpec
+from hf_verl.engine.step import LogProbs, OptimizerSpec, Values
 from hf_verl.parallel.dims import ParallelDims
 from hf_verl.parallel.megatron.launch import ensure_process_group
 
@@ -53,9 +54,14 @@ def config(family: str):
     return cls(**kw)
 
 
-def model(family: str, seed: int = 0):
+def model(family: str, seed: int = 0, kind: str = "causal_lm"):
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(config(family)).eval()
+    cfg = config(family)
+    if kind == "value":
+        cfg.num_labels = 1
+        hf = transformers.AutoModelForSequenceClassification.from_config(cfg).eval()
+    else:
+        hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # routers drawn wider than the default init, so that routing differs token by token
         for name, p in hf.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -84,6 +90,12 @@ def hf_forward(hf, b: RolloutBatch):
     entropy = -(logp.exp() * logp).sum(-1)
     return (scatter_completion(b, logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)[select]),
             scatter_completion(b, entropy[select]), out.aux_loss)
+
+
+def hf_values(hf, b: RolloutBatch):
+    ids, mask, select, _ = rollout_positions(b)
+    out = hf.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).last_hidden_state
+    return scatter_completion(b, hf.score(out)[..., 0][select])
 
 
 def main(out: str) -> None:
@@ -143,6 +155,11 @@ def main(out: str) -> None:
         trained = engine.full_state_dict()
         r["weights"] = max((trained[k] - ref.state_dict()[k]).abs().max().item() for k in trained)
         r["worst"] = max(trained, key=lambda k: (trained[k] - ref.state_dict()[k]).abs().max().item())
+        critic, critic_ref = model(family, seed=3, kind="value"), model(family, seed=3, kind="value")
+        value_engine = MegatronEngine(critic, role="critic", dims=dims, trainable=False)
+        with torch.no_grad():
+            got_v = value_engine.infer(b, Values(), micro_batch=4)
+            r["values"] = (got_v - hf_values(critic_ref, b)).abs().max().item()
         result[family] = r
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
