@@ -216,7 +216,8 @@ def _accelerate_launch(config: str, algo: str, out: Path, **env) -> subprocess.C
 @pytest.mark.parametrize("algo", ["grpo", "ppo", "dpo", "facade"])
 def test_trainers_on_megatron_ep2_equal_one_process(moe_baseline, tmp_path, algo):
     """EP=2 on 2 processes (two data-parallel ranks, two experts each) gives the one-process run's losses (1e-5
-    relative) and final weights (5e-5); DPO with router_aux_loss_coef=0.05. GRPO runs from the shipped accelerate
+    relative) and final weights (5e-5); DPO with router_aux_loss_coef=0.05 (the global batch's aux loss, as one
+    process has it). GRPO runs from the shipped accelerate
     config (configs/accelerate/megatron_ep2_cpu.yaml, nothing in the training config)."""
     from safetensors.torch import load_file
 

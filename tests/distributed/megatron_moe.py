@@ -9,11 +9,13 @@ rollout (EP spans data-parallel ranks: the all-to-all dispatcher sends tokens be
 
 - the engine's log-probs and entropies of a left- and right-padded rollout are compared with the HF model's;
 - the router load-balancing loss the engine returns (`LogProbs(with_aux_loss=True)`) with the HF model's
-  `aux_loss` (transformers' `load_balancing_loss_func` over the rollout's attention mask);
+  `aux_loss` (transformers' `load_balancing_loss_func` over the attention mask) of every data-parallel rank's rows
+  together: the global batch's loss, as the accelerate engines take it;
 - the engine's HF export (experts gathered over EP and TP) with the original weights, bit for bit;
 - a frozen MoE critic's values (`AutoModelForSequenceClassification`, one label) with the HF model's;
-- one `forward_backward` + `optimizer_step` of `-mean log-prob + 0.1 x aux loss` with the same step in HF on the
-  same rank's rows, gradients averaged over the data-parallel ranks as Megatron's DDP does (loss, weights); at
+- one `forward_backward` + `optimizer_step` of `-mean log-prob + 0.1 x aux loss` with the same step in HF (each
+  micro-batch of every rank's rows in one forward: the ranks' log-prob terms averaged, as DDP averages gradients,
+  plus the global aux loss) (loss, weights); at
   TP > 1 the engine runs Megatron's sequence parallelism (Megatron-Core trains an MoE under TP only so).
 
 Every rank writes `OUT/rank{k}.json` with its worst differences per family.
@@ -82,6 +84,12 @@ def batch(seed: int = 1) -> RolloutBatch:
                         completion_mask=completion_mask)
 
 
+def cat_batches(parts: list[RolloutBatch]) -> RolloutBatch:
+    """Rows of several rollouts of one shape, one after the other."""
+    fields = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+    return RolloutBatch(**{f: torch.cat([getattr(p, f) for p in parts]) for f in fields})
+
+
 def hf_forward(hf, b: RolloutBatch):
     """`(logp, entropy, aux_loss)` of the HF model as the accelerate engines get them."""
     ids, mask, select, targets = rollout_positions(b)
@@ -106,7 +114,8 @@ def main(out: str) -> None:
     pp = int(os.environ.get("MEGATRON_PP", "1"))
     dims = ParallelDims.data_parallel(dist.get_world_size(), dist.get_rank(), shard=False, tp=tp, pp=pp, ep=ep)
     aux, coef = pp == 1, AUX_COEF if pp == 1 else 0.0
-    b = batch(seed=1 + dims.dp_rank)  # each data-parallel rank its own rows
+    batches = [batch(seed=1 + d) for d in range(dims.dp_size)]  # each data-parallel rank its own rows
+    b, everyone = batches[dims.dp_rank], cat_batches(batches)
     result = {}
     for family in FAMILIES:
         hf, ref = model(family), model(family)
@@ -116,7 +125,8 @@ def main(out: str) -> None:
         engine.configure_optimizer(OptimizerSpec(torch.optim.AdamW, {"lr": 1e-2, "eps": 1e-6}, max_grad_norm=None))
         r = {}
         with torch.no_grad():
-            want_lp, want_h, want_aux = hf_forward(ref, b)
+            want_lp, want_h, _ = hf_forward(ref, b)
+            want_aux = hf_forward(ref, everyone)[2]
             got = engine.infer(b, LogProbs(with_entropy=True, with_aux_loss=aux), micro_batch=2)
             whole = engine.infer(b, LogProbs(with_aux_loss=aux))
         r["logprob"] = (got.logp - want_lp).abs().max().item()
@@ -131,6 +141,7 @@ def main(out: str) -> None:
         # one step: -mean log-prob of the completion tokens + coef x aux loss, two micro-batches averaged
         micro = [b.select(slice(0, 2)), b.select(slice(2, 4))]
         tokens = float(b.completion_mask.sum())
+        counts = [float(x.completion_mask.sum()) for x in batches]
 
         def loss_fn(o, mb):
             return -(o.logp * mb.completion_mask).sum() / tokens + (coef * o.aux_loss / len(micro) if aux else 0.0), {}
@@ -140,16 +151,13 @@ def main(out: str) -> None:
         ref.train()
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.0)
         losses = []
-        for mb in micro:
-            lp, _, aux_hf = hf_forward(ref, mb)
-            loss = -(lp * mb.completion_mask).sum() / tokens + coef * aux_hf / len(micro)
-            loss.backward()
-            losses.append(loss.item())
-        if dims.dp_size > 1:  # Megatron's DDP averages the gradients over the data-parallel ranks
-            group = dims.dp_group  # the ranks of this rank's pipeline stage and TP rank
-            for p in ref.parameters():
-                dist.all_reduce(p.grad, group=group)
-                p.grad /= dims.dp_size
+        for i in range(len(micro)):
+            parts = [x.select(slice(2 * i, 2 * i + 2)) for x in batches]  # micro-batch i of every rank
+            lp, _, aux_hf = hf_forward(ref, cat_batches(parts))
+            terms = [-(lp[2 * d : 2 * d + 2] * part.completion_mask).sum() / n
+                     for d, (part, n) in enumerate(zip(parts, counts))]
+            (sum(terms) / len(terms) + coef * aux_hf / len(micro)).backward()
+            losses.append((terms[dims.dp_rank] + coef * aux_hf / len(micro)).item())
         opt.step()
         r["loss"] = max(abs(a.item() - w) for a, w in zip(step.losses, losses))
         trained = engine.full_state_dict()

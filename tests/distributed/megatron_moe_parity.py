@@ -6,10 +6,10 @@ backend; under `torchrun --nproc_per_node 2` with `MOE_EP=2` it runs every role 
 `expert_model_parallel_size=2`: two data-parallel ranks, each holding two of the four experts, tokens sent to their
 experts by the all-to-all dispatcher. The same global batch of 8 rows is split over the ranks, 4 each.
 
-DPO trains with a non-zero `router_aux_loss_coef`: the load-balancing loss is not linear in the rows, so its
-baseline runs the same 4-row micro-batches one after the other (`gradient_accumulation_steps=2`), which is what two
-data-parallel ranks of 4 rows compute (each rank's loss over its own rows, gradients averaged). GRPO, PPO and the
-facade (critic dense, beside the MoE actor) run with the coefficient at 0. The main rank writes `OUT/result.json`
+DPO trains with a non-zero `router_aux_loss_coef`: the load-balancing loss is not linear in the rows, and, as on
+the accelerate engines, the Megatron engine takes it over the global batch (expert counts and probability sums
+all-reduced over the data-parallel ranks), so two ranks of 4 rows give the loss of one process on the 8. GRPO, PPO
+and the facade (critic dense, beside the MoE actor) run with the coefficient at 0. The main rank writes `OUT/result.json`
 (losses, layout, export check) and the final weights (`OUT/final`). With `MOE_FROM_LAUNCH=1` the config names no
 backend: an `accelerate launch --config_file configs/accelerate/megatron_ep2_cpu.yaml` asks for it.
 """
@@ -47,13 +47,12 @@ def tiny_moe(tok, seed=0, aux=0.0):
     return model
 
 
-def common(out, world, rows_per_micro=None):
+def common(out, world):
     from_launch = os.environ.get("MOE_FROM_LAUNCH") == "1"  # the accelerate MEGATRON_LM config asks instead
     megatron = dict(backend="megatron", expert_model_parallel_size=EP) if EP and not from_launch else {}
-    per_device = rows_per_micro or GLOBAL_ROWS // world
     return dict(output_dir=out, use_cpu=True, report_to=[], max_steps=3, logging_steps=1,
-                per_device_train_batch_size=per_device,
-                gradient_accumulation_steps=GLOBAL_ROWS // (world * per_device), **megatron, learning_rate=1e-3,
+                per_device_train_batch_size=GLOBAL_ROWS // world, gradient_accumulation_steps=1, **megatron,
+                learning_rate=1e-3,
                 lr_scheduler_type="constant", save_strategy="no", disable_tqdm=True, seed=11,
                 gradient_checkpointing=False, bf16=False)
 
@@ -78,7 +77,7 @@ def build(algo, out, world, tok):
 
     pairs = {"prompt": [p + "=" for p in PROMPTS] * 3,
              "chosen": [p[::-1] for p in PROMPTS] * 3, "rejected": [p + p for p in PROMPTS] * 3}
-    args = DPOConfig(max_length=32, beta=0.1, router_aux_loss_coef=DPO_AUX, **common(out, world, rows_per_micro=4))
+    args = DPOConfig(max_length=32, beta=0.1, router_aux_loss_coef=DPO_AUX, **common(out, world))
     return DPOTrainer(model=tiny_moe(tok, aux=DPO_AUX), args=args, train_dataset=Dataset.from_dict(pairs),
                       processing_class=tok)
 

@@ -18,7 +18,8 @@ mask (:func:`load_balancing_loss`), which the algorithm weights by `router_aux_l
 loss (which it adds to the gradient itself, with another normalisation) is switched off in the model's config; a
 forward hook on each layer's router (`decoder.layers[i].mlp.router`, left in place for other hooks) recomputes its
 logits from its input while a plan asks for them, so the loss and its gradient reach the router and the layers
-below. On each data-parallel rank it covers that rank's tokens, as under DDP.
+below. As on the accelerate engines (:mod:`hf_verl.engine.router_loss`), it is the global batch's: the expert
+counts and probability sums are all-reduced over the data-parallel ranks, so every rank has the one-process value.
 
 Under sequence parallelism (an MoE at TP > 1: Megatron-Core trains one under TP only so) each TP rank holds a slice
 of the sequence between the layers: a plan's rows are padded to a multiple of TP (masked positions that nothing
@@ -42,7 +43,10 @@ import torch.distributed as dist
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.engine.hf_layouts import position_ids_from_mask, rollout_positions, scatter_completion
 from hf_verl.engine.parts.scoring import ModelScoring, TokenStats
+from hf_verl.engine.router_loss import load_balancing_sums
 from hf_verl.engine.step import ForwardRequest, LogProbs, PolicyOutput, SamplingStatistics, Values
+from hf_verl.parallel import comm
+from hf_verl.parallel.dims import ParallelDims
 from hf_verl.parallel.megatron.compat import cpu_compat
 from hf_verl.parallel.megatron.vocab import token_stats
 
@@ -63,28 +67,23 @@ class Plan:
     router_logits: list[torch.Tensor] | None = None  # each MoE layer's [T, B, E] router logits, when the aux loss is asked
 
 
-def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None) -> torch.Tensor:
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None,
+                        dims: ParallelDims | None = None) -> torch.Tensor:
     """transformers' `load_balancing_loss_func` (Switch Transformer's, over all layers at once) of Megatron's
     `[T, B, E]` router logits of every MoE layer, `mask` `(B, T)` excluding padding (None: every token): the number
-    of experts x sum over experts of (fraction of top-k assignments) x (mean routing probability)."""
+    of experts x sum over experts of (fraction of top-k assignments) x (mean routing probability). With `dims` of
+    several data-parallel ranks it is the accelerate engines' global one
+    (:func:`~hf_verl.engine.router_loss.global_load_balancing_loss`): counts and probability sums all-reduced over
+    the data-parallel group, this rank's differentiable part scaled by the ranks (DDP averages it back)."""
     experts = router_logits[0].shape[-1]
-    device = router_logits[0].device
-    tokens = torch.zeros(experts, dtype=torch.float32, device=device)
-    probs = torch.zeros(experts, dtype=torch.float32, device=device)
-    flat = None if mask is None else mask.t().reshape(-1).to(device, torch.float32)  # Megatron's [T, B] order
-    rows: torch.Tensor | float = 0.0
-    for logits in router_logits:
-        weights = torch.softmax(logits.reshape(-1, experts), dim=-1)
-        _, chosen = torch.topk(weights, top_k, dim=-1)
-        if flat is None:
-            tokens = tokens + torch.bincount(chosen.reshape(-1), minlength=experts).float()
-            probs = probs + weights.float().sum(0)
-            rows = rows + weights.shape[0]
-        else:
-            tokens = tokens + torch.zeros_like(tokens).scatter_add_(0, chosen.reshape(-1), flat.repeat_interleave(top_k))
-            probs = probs + (weights.float() * flat.unsqueeze(-1)).sum(0)
-            rows = rows + flat.sum()
-    return torch.sum((tokens / rows) * (probs / rows)) * experts
+    flat = tuple(x.transpose(0, 1).reshape(-1, experts) for x in router_logits)  # HF's (B x T, E) order
+    counts, probs, rows = load_balancing_sums(flat, experts, top_k, mask)
+    if dims is None or dims.dp_size == 1:
+        return experts * torch.sum((counts / rows) * (probs / rows))
+    total = comm.reduce(dims, torch.cat([counts, probs.detach(), rows.reshape(1)]), "sum")
+    counts_all, probs_all, rows_all = total[:experts], total[experts:-1], total[-1]
+    probs_part = probs_all + dims.dp_size * (probs - probs.detach())
+    return experts * torch.sum(counts_all / rows_all * probs_part / rows_all)
 
 
 def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -130,7 +129,7 @@ class MegatronScoring(ModelScoring):
         if torch.is_grad_enabled() and self.training and not logits[0].requires_grad:
             raise ValueError("a router aux loss (router_aux_loss_coef) with gradient_checkpointing on backend='megatron' "
                              "is not supported (Megatron's recompute runs the routers without gradients): turn one off.")
-        return load_balancing_loss(logits, self._arch.top_k, plan.token_mask)
+        return load_balancing_loss(logits, self._arch.top_k, plan.token_mask, self.dims)
 
     def _select_head_rows(self, module, args, kwargs):
         """Take the final hidden states of the positions a request scores away from Megatron's LM head call: they
