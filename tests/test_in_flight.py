@@ -121,8 +121,53 @@ def test_grpo_masks_tokens_older_than_the_staleness_bound(tmp_path):
     assert served and all(h["rollout/stale_tokens_masked"] == 0.0 for h in served)  # within max_staleness=1
 
 
+def test_hf_verl_serve_takes_an_update_in_flight_and_reports_each_tokens_version():
+    from hf_verl.rollout.remote import RemoteEngine
+    from hf_verl.serve.server import RolloutServer
+
+    tok = build_char_tokenizer()
+    old, new = _model(tok, 0), _model(tok, 1)
+    served = TransformersEngine(copy.deepcopy(old), tok)
+    served.eos_token_ids = set()
+    server = RolloutServer(served, tok, "tiny", port=0, token="t0k").start()
+    try:
+        remote = RemoteEngine(server.address, token="t0k")
+        assert remote.supports_in_flight_updates
+        remote.tag_token_versions = True
+        held, reached, release, forwards, result = 3, threading.Event(), threading.Event(), [0], {}
+
+        def hold(_module, _args, _out):
+            forwards[0] += 1
+            if forwards[0] == held:
+                reached.set()
+                assert release.wait(30)
+
+        hook = served.model.register_forward_hook(hold)
+        prompt = [tok("abc").input_ids]
+        greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+        worker = threading.Thread(target=lambda: result.update(out=remote.generate(prompt, greedy)))
+        worker.start()
+        assert reached.wait(30)
+        update = threading.Thread(target=lambda: remote.sync_weights(new.state_dict().items()))
+        update.start()
+        deadline = time.time() + 30
+        while not served._turnstile.locked():  # the upload arrived and waits between two decode steps
+            assert time.time() < deadline
+            time.sleep(0.001)
+        release.set()
+        update.join(30)
+        worker.join(30)
+        hook.remove()
+        assert result["out"].extra["token_versions"] == [[0] * held + [1] * (10 - held)]
+        assert remote.weight_version == served.weight_version == 1
+        before = TransformersEngine(old, tok).generate(prompt, greedy).completion_ids[0]
+        assert result["out"].completion_ids[0][:held] == before[:held]
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.slow
-def test_a_served_generator_is_refused_with_what_to_change(tmp_path, monkeypatch):
+def test_grpo_in_flight_against_a_server_and_a_fleet_refused(tmp_path, monkeypatch):
     from datasets import Dataset
 
     from hf_verl.serve.server import RolloutServer
@@ -130,17 +175,27 @@ def test_a_served_generator_is_refused_with_what_to_change(tmp_path, monkeypatch
     from tests.test_grpo_trainer import _args, count_a
 
     tok = build_char_tokenizer()
-    server = RolloutServer(TransformersEngine(_model(tok, 1), tok), tok, "tiny", port=0, token="t0k").start()
+    servers = [RolloutServer(TransformersEngine(_model(tok, 1), tok), tok, "tiny", port=0, token="t0k").start()
+               for _ in range(2)]
     monkeypatch.setenv("HF_VERL_SERVE_TOKEN", "t0k")
     try:
-        args = _args(tmp_path, max_steps=2, use_async_rollout=True, in_flight_weight_updates=True,
-                     placement={"generator": server.address})
+        args = _args(tmp_path / "one", max_steps=3, use_async_rollout=True, in_flight_weight_updates=True,
+                     placement={"generator": servers[0].address})
+        trainer = GRPOTrainer(model=_model(tok, 0), reward_funcs=count_a, args=args, processing_class=tok,
+                              train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}))
+        trainer.train()
+        served = [h for h in trainer.state.log_history if "rollout/token_staleness_mean" in h]
+        assert served and all(h["rollout/stale_tokens_masked"] == 0.0 for h in served)
+        assert servers[0].engine.weight_version == trainer.engine.weight_version >= 3
+        args = _args(tmp_path / "fleet", max_steps=2, use_async_rollout=True, in_flight_weight_updates=True,
+                     placement={"generator": [s.address for s in servers]})
         trainer = GRPOTrainer(model=_model(tok, 0), reward_funcs=count_a, args=args, processing_class=tok,
                               train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}))
         with pytest.raises(ValueError, match="in_flight_weight_updates=True needs a rollout engine that takes"):
             trainer.train()
     finally:
-        server.shutdown()
+        for s in servers:
+            s.shutdown()
 
 
 def test_tokens_older_than_max_staleness_are_masked_and_the_metrics_say_so():

@@ -228,12 +228,39 @@ class RemoteEngine(RequestBatchedEngine):
             body["seed"] = sampling.seed
         if self.record_routing:
             body["return_routed_experts"] = True
+        if self.tag_token_versions:
+            body["return_token_weight_versions"] = True
         resp = self._request("POST", "/v1/completions", json.dumps(body).encode())
         ids, lps, reasons, versions = self._parse(resp, len(prompts))
+        extra: dict = {"weight_versions": versions}
+        if self.tag_token_versions:
+            extra["token_versions"] = self._token_versions(resp, ids)
         return GenerationOutput(completion_ids=ids, logprobs=lps, finish_reasons=reasons,
                                 weight_version=min(versions) if versions else self.weight_version,
-                                extra={"weight_versions": versions},
+                                extra=extra,
                                 routed_experts=self._routing(resp, prompts, ids) if self.record_routing else None)
+
+    def _token_versions(self, resp: dict, completions: list[list[int]]) -> list[list[int]]:
+        """Each choice's `token_weight_versions` (in-flight weight updates), one per completion token."""
+        out = []
+        for c, ids in zip(sorted(resp["choices"], key=lambda c: c.get("index", 0)), completions):
+            versions = c.get("token_weight_versions")
+            if not isinstance(versions, list) or len(versions) != len(ids):
+                raise RolloutServerError(f"{self.base_url}/v1/completions returned no token_weight_versions for its "
+                                         f"{len(ids)} tokens: serve with hf-verl serve's transformers engine, or set "
+                                         "in_flight_weight_updates=False.")
+            out.append([int(v) for v in versions])
+        return out
+
+    @property
+    def supports_in_flight_updates(self) -> bool:
+        """Whether the server applies weights between two decode steps (`hf-verl serve` on its transformers
+        engine says so on `GET /v1/weights/version`; asked once)."""
+        if self.backend == "vllm":
+            return False
+        if getattr(self, "_in_flight", None) is None:
+            self._in_flight = bool(self._request("GET", "/v1/weights/version").get("in_flight", False))
+        return self._in_flight
 
     def _routing(self, resp: dict, prompts: Sequence[Sequence[int]], completions: list[list[int]]) -> list:
         """Each choice's `routed_experts` (routing replay) as a `(prompt + completion tokens, layers, top_k)` tensor."""
@@ -405,6 +432,8 @@ class WeightUpload:
     def send(self, bucket: list[tuple[str, torch.Tensor]], *, last: bool) -> dict:
         """Upload one bucket (`last`: the update's final one); returns the server's answer."""
         path = f"/v1/weights?update={self.update}&index={self.index}&last={int(last)}"
+        if self.engine.tag_token_versions:  # in-flight weight updates: applied between two decode steps
+            path += "&in_flight=1"
         self.conn, self.answer = self.engine._upload(self.conn, path, bucket)
         self.index += 1
         return self.answer

@@ -117,7 +117,8 @@ def build_app(server) -> FastAPI:
 
     @app.get("/v1/weights/version", summary="The current weight version (and the served weights' dtype)")
     async def weight_version():
-        return json_response({"weight_version": server.engine.weight_version, "dtype": server.weight_dtype})
+        return json_response({"weight_version": server.engine.weight_version, "dtype": server.weight_dtype,
+                              "in_flight": bool(server.engine.supports_in_flight_updates)})
 
     async def answer(body, chat: bool):
         if body.stream:
@@ -138,7 +139,7 @@ def build_app(server) -> FastAPI:
     @app.post("/v1/weights", summary="A weight update: a safetensors bucket, or a path on the server",
               dependencies=[Depends(bearer)], openapi_extra={"requestBody": WEIGHTS_BODY})
     async def weights(request: Request, update: str | None = None, index: str | None = None,
-                      last: str | None = None):
+                      last: str | None = None, in_flight: str | None = None):
         try:
             check_bearer(server.token, request.headers.get("authorization"))  # before reading the body
         except ServeError as err:
@@ -159,7 +160,8 @@ def build_app(server) -> FastAPI:
             raise ServeError(413, f"body of {length} bytes exceeds the limit of {server.max_upload_bytes}",
                              close=True)
         payload = await read_body_tensor(request, int(length), server.body_timeout_s)
-        result = await loop.run_in_executor(server.weights_pool, server.weights.receive_bucket, *bucket, payload)
+        result = await loop.run_in_executor(server.weights_pool, server.weights.receive_bucket, *bucket, payload,
+                                            in_flight == "1")
         return json_response(result)
 
     async def _adapter_route(request: Request, handler):

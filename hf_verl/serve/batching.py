@@ -42,7 +42,9 @@ def split_output(out: GenerationOutput, sizes: Sequence[int]) -> list[Generation
                                       finish_reasons=out.finish_reasons[start:end],
                                       weight_version=out.weight_version,
                                       routed_experts=None if out.routed_experts is None
-                                      else out.routed_experts[start:end]))
+                                      else out.routed_experts[start:end],
+                                      extra={k: v[start:end] for k, v in out.extra.items()
+                                             if k == "token_versions"}))
         start = end
     return parts
 

@@ -70,7 +70,7 @@ class Answer:
                             for w, lp in zip(words, lps)]}
 
     def response(self, rows: list[tuple[list[int], list[float], str]], prompts: list[list[int]],
-                 version: int, routed: list | None = None) -> dict:
+                 version: int, routed: list | None = None, token_versions: list | None = None) -> dict:
         """The whole answer: `rows` holds (token ids, log-probs, finish reason) per choice; `routed`, when given,
         each choice's routing record (`routed_experts`)."""
         choices = []
@@ -80,6 +80,8 @@ class Answer:
                       "logprobs": self._logprobs(ids, lps), "weight_version": version}
             if routed is not None:
                 choice["routed_experts"] = routed[i].tolist()
+            if token_versions is not None:
+                choice["token_weight_versions"] = list(token_versions[i])
             choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
             choices.append(choice)
         completion_tokens = sum(len(ids) for ids, _, _ in rows)

@@ -113,6 +113,9 @@ class CompletionRequest(SamplingRequest):
                                         "and completion the experts each Mixture-of-Experts layer routed it to "
                                         "(`[tokens][layers][top_k]`, -1: no forward routed it); an MoE model served by "
                                         "the transformers engine.")
+    return_token_weight_versions: bool = Field(False, description="hf_verl's: each choice gets "
+                                               "`token_weight_versions`, the weight version behind each completion "
+                                               "token (weights updated in flight change it mid-completion).")
     suffix: str | None = Field(None, description="Not supported.")
     best_of: int | None = Field(None, description="Not supported beyond `n`.")
 

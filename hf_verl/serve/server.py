@@ -102,6 +102,8 @@ class RolloutServer(UvicornHost):
         dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()] if isinstance(model, torch.nn.Module) \
             else []
         self.weight_dtype = str(dtypes[0]).replace("torch.", "") if dtypes else None  # what delta sync casts to
+        if isinstance(engine, TransformersEngine):
+            engine.tag_token_versions = True  # in-flight updates: each token's weight version (when asked)
         if isinstance(engine, TransformersEngine) and is_moe_model(engine.model):
             engine.record_routing = True  # an MoE's answers can carry their routing (return_routed_experts)
         self.served_model_names = list(served_model_names or [model_name])
@@ -147,7 +149,8 @@ class RolloutServer(UvicornHost):
         out = self.batcher.generate(prompts, sampling, self.adapter_of(req))
         return Answer(False, self.model_name, self.tokenizer).response(
             list(zip(out.completion_ids, out.logprobs, out.finish_reasons)), prompts, out.weight_version,
-            routed=out.routed_experts if req.return_routed_experts else None)
+            routed=out.routed_experts if req.return_routed_experts else None,
+            token_versions=out.extra.get("token_versions") if req.return_token_weight_versions else None)
 
     def scored_completions(self, req: CompletionRequest) -> dict:
         """A completions request with `echo` or `prompt_logprobs`: the prompts scored by the model (and, unless

@@ -10,6 +10,7 @@ expire after `staging_timeout_s`. Each applied update bumps the engine's weight 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -59,7 +60,8 @@ class WeightReceiver:
         self._staged: dict[str, dict] = {}
         self._staged_lock = threading.Lock()
 
-    def receive_bucket(self, update: str, index: int, last: bool, payload: torch.Tensor) -> dict:
+    def receive_bucket(self, update: str, index: int, last: bool, payload: torch.Tensor,
+                       in_flight: bool = False) -> dict:
         """Stage one bucket (`payload`: the body as a 1-D uint8 tensor); apply the update at its last."""
         from hf_verl.rollout.tensor_wire import decode
 
@@ -87,7 +89,7 @@ class WeightReceiver:
         merged = {}
         for i in sorted(entry["buckets"]):
             merged.update(entry["buckets"][i])
-        return self.apply(merged)
+        return self.apply(merged, in_flight=in_flight)
 
     def receive_path(self, path) -> dict:
         """Load and apply a safetensors file, or every `.safetensors` file of a folder, from the server's disk."""
@@ -156,8 +158,10 @@ class WeightReceiver:
                 raise ServeError(400, f"non-floating delta values for {name!r}; the weights are unchanged",
                                  close=True)
 
-    def apply(self, tensors: dict[str, torch.Tensor]) -> dict:
-        """Load `tensors` into the engine under the generation lock; one version bump."""
+    def apply(self, tensors: dict[str, torch.Tensor], in_flight: bool = False) -> dict:
+        """Load `tensors` into the engine under the generation lock; one version bump. `in_flight` (an engine
+        that takes weights between two decode steps, :attr:`RolloutEngine.supports_in_flight_updates`): without
+        waiting for the generation in progress, which continues under the new weights."""
         try:
             split_entries(tensors)  # every sparse delta complete (index and values, of one length)
         except ValueError as err:
@@ -167,8 +171,12 @@ class WeightReceiver:
             raise ServeError(400, f"sparse weight deltas need the model in this process; this server's "
                                   f"{type(self.engine).__name__} does not expose it: sync with weight_sync='full'",
                              close=True)
-        with self.lock:
+        if in_flight and not self.engine.supports_in_flight_updates:
+            raise ServeError(400, f"in_flight=1: this server's {type(self.engine).__name__} cannot take weights while "
+                                  "it generates; send the update without in_flight", close=True)
+        with contextlib.nullcontext() if in_flight else self.lock:
             self.engine.sync_weights(tensors.items())
             version = self.engine.weight_version
-        logger.info("applied a weight update of %d tensors; weight version %d", len(tensors), version)
+        logger.info("applied a weight update of %d tensors%s; weight version %d", len(tensors),
+                    " in flight" if in_flight else "", version)
         return {"applied": True, "weight_version": version, "num_tensors": len(tensors)}
