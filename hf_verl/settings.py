@@ -205,6 +205,10 @@ SETTINGS: dict[str, Setting] = {
     "model_size": Setting(None, (int, str, _NONE), _size,
                         "None, an int number of parameters, or a string like '7B' / '500M'",
                         "Actor size, read by the parallel-layout planner; None: counted once loaded.", trainers=False),
+    "host_memory_gib": Setting(None, (int, float, _NONE), lambda v: v is None or v > 0, "None or a number > 0",
+                               "Host RAM per node, read by the layout planner (parallel='auto') to decide whether "
+                               "optimizer states can be offloaded to the CPU; None: this machine's RAM on a GPU "
+                               "machine, no offload on a CPU one (docs/planner.md)."),
     "debug_path": Setting(None, (str, _NONE), lambda v: True, "None or a file path",
                         "JSONL file of debug-mode records; None: `hf_verl_debug.jsonl` in the cwd.", trainers=False),
     "sequence_parallel_size": Setting(1, (int,), lambda v: v >= 1, "an int >= 1",

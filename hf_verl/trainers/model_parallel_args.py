@@ -54,6 +54,9 @@ class ModelParallelArguments:
     model_size: int | str | None = setting_field("model_size", None, (
         "What parallel='auto' / per_device_train_batch_size='auto' size: a size string ('7b', '500M'), a parameter "
         "count, or the model's local path / Hub id (its config is read offline)."))
+    host_memory_gib: float | None = setting_field("host_memory_gib", None, (
+        "Host RAM per node for parallel='auto': whether the planner may offload optimizer states to the CPU (None: "
+        "this machine's RAM on a GPU machine)."))
     placement: dict | None = field(default=None, metadata=_help(
         "Where roles run, the facade's values (docs/placement.md): {'reference' | 'critic': 'colocated' | 'ddp' | "
         "'fsdp2' | 'zero1' | 'zero2' | 'zero3', 'reference': '<URL of a server serving it>', 'generator': "
