@@ -187,6 +187,12 @@ def test_lora_trainers_on_megatron_equal_one_process(lora_baselines, tmp_path, a
     assert set(a) == set(b) and all(k.startswith("base_model.model.model.layers.") for k in a)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 5e-5
     assert max(a[k].abs().max().item() for k in a if ".lora_B." in k) > 1e-4  # the adapters trained
+    if algo != "facade":  # the export parts of adapter-only sync: the frozen base, and the adapters alone
+        assert got["base_export_names_match"] and got["base_export_max_error"] == 0.0
+        a = load_file(str(lora_baselines[algo] / "adapter_export.safetensors"))
+        b = load_file(str(tmp_path / "adapter_export.safetensors"))
+        assert set(a) == set(b) and all(".default.weight" in k for k in a)  # the PeftModel's own keys
+        assert max((a[k] - b[k]).abs().max().item() for k in a) < 5e-5
     want_logits, _ = _adapter_logits(lora_baselines[algo] / "final")
     got_logits, loaded = _adapter_logits(tmp_path / "final")
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)

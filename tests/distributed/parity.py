@@ -173,6 +173,21 @@ def export_error(trainer, initial):
     return worst, sorted(names) == sorted(initial)
 
 
+def lora_parts(trainer, initial, out):
+    """A LoRA actor's export parts after training (a collective): the base weights alone must be the initial ones
+    (frozen); the adapters alone (the PeftModel's own keys) go to OUT/adapter_export.safetensors."""
+    from safetensors.torch import save_file
+
+    base = dict(pair for part in trainer.actor.export_weights(64 * 1024, lora="base") for pair in part)
+    adapter = dict(pair for part in trainer.actor.export_weights(64 * 1024, lora="adapter") for pair in part)
+    if trainer.dims.is_main:
+        save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()},
+                  os.path.join(out, "adapter_export.safetensors"))
+    return {"base_export_names_match": sorted(base) == sorted(initial),
+            "base_export_max_error": max((base[k].float().cpu() - initial[k].float()).abs().max().item()
+                                         for k in initial if k in base)}
+
+
 def main(algo: str, out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tok = build_char_tokenizer()
@@ -203,6 +218,7 @@ def main(algo: str, out: str) -> None:
     param = next(trainer.actor.model.parameters())
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
+    parts = lora_parts(trainer, initial, out) if lora_config(algo) is not None else {}
     if trainer.dims.is_main:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         extra = {k: [h[k] for h in trainer.state.log_history if k in h]
@@ -215,8 +231,8 @@ def main(algo: str, out: str) -> None:
                        "attention": trainer.actor.config._attn_implementation,
                        "param_type": type(param).__name__, "zero3_partitioned": hasattr(param, "ds_id"),
                        "export_max_error": err, "export_names_match": same_names,
-                       "trainable": sorted(n for n, p in trainer.actor.model.named_parameters() if p.requires_grad)},
-                      f)
+                       "trainable": sorted(n for n, p in trainer.actor.model.named_parameters() if p.requires_grad),
+                       **parts}, f)
 
 
 if __name__ == "__main__":

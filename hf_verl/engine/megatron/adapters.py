@@ -10,6 +10,8 @@ distributed optimizer. Then:
   accelerate engines: no reference copy;
 - the weight sync and `full_state_dict` export the *merged* weights (`W + scaling * B A`, computed per shard) under
   HF names, so a rollout engine replica (PEFT merged, as for a PEFT actor elsewhere) takes them as they are;
+  `export_weights(lora="base")` gives the base weights alone (HF names), `lora="adapter"` the adapters alone (the
+  `PeftModel`'s own keys), the parts every engine exports for adapter-only sync;
 - :meth:`adapter_state_dict` gathers only the adapters, under PEFT's names; `save_pretrained` writes a PEFT adapter
   directory (`adapter_config.json`, `adapter_model.safetensors`) that `PeftModel.from_pretrained` loads on the HF
   model;
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_verl.engine.megatron.weights import MegatronWeights
 from hf_verl.engine.parts.adapters import AdapterEngine
 from hf_verl.parallel.megatron.lora import LoraLinear, PeftLora, attach
 
@@ -82,6 +85,25 @@ class MegatronAdapters(AdapterEngine):
             params[key] = params[key].detach() + lora.delta_weight().to(params[key].dtype)
         return params
 
+    def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None, to_cpu: bool = False,
+                       lora: str = "merged", **kwargs: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named tensors bucket by bucket (a collective); a LoRA actor's `lora` part: `"merged"` (default),
+        `"base"` (its frozen base weights) or `"adapter"` (the adapters, under the `PeftModel`'s own keys)."""
+        if lora == "merged":
+            return super().export_weights(bucket_bytes, dtype=dtype, to_cpu=to_cpu, **kwargs)
+        if lora not in ("base", "adapter"):
+            raise ValueError(f"lora must be one of ('merged', 'base', 'adapter'), got {lora!r}.")
+        if self._lora is None:
+            raise ValueError(f"exporting the {lora} weights of LoRA adapters needs a LoRA actor (peft_config); the "
+                             f"{self.role} on backend='megatron' has no adapters.")
+        if lora == "base":
+            base = MegatronWeights._export_params(self)  # unmerged
+            pairs = self._across_stages(list(self._bridge.export(self._gather, base)), dtype)
+        else:
+            pairs = ((k, v if dtype is None else v.to(dtype))
+                     for k, v in self.adapter_state_dict(adapter_name=self._peft.adapter_name).items())
+        return _buckets(pairs, bucket_bytes)
+
     def _gather_dim(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(self.dims.tp)]
         dist.all_gather(parts, tensor.contiguous(), group=self._ps.get_tensor_model_parallel_group())
@@ -122,3 +144,15 @@ class MegatronAdapters(AdapterEngine):
 
 def _input_requires_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     return output.requires_grad_(True) if torch.is_grad_enabled() else output
+
+
+def _buckets(pairs: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket, size = [], 0
+    for name, t in pairs:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
