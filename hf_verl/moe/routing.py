@@ -110,9 +110,9 @@ class RoutingTap:
     @classmethod
     def of(cls, model: torch.nn.Module) -> RoutingTap | None:
         """The model's tap (hooks registered once per model), or None for a dense model."""
-        tap = cls._taps.get(model)
-        if tap is None and is_moe_model(model):
-            tap = cls._taps[model] = cls(model)
+        if model in cls._taps:  # a dense model is remembered as None: no module scan per forward
+            return cls._taps[model]
+        tap = cls._taps[model] = cls(model) if is_moe_model(model) else None
         return tap
 
     @property
