@@ -34,6 +34,8 @@ Requests served at every layout: :class:`~hf_verl.engine.step.LogProbs`, :class:
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,6 +67,7 @@ class Plan:
     head_hidden: torch.Tensor | None = None  # the scored positions' final hidden states, set during the forward
     token_mask: torch.Tensor | None = None  # (B, T) the aux loss's padding mask (None: every token counts)
     router_logits: list[torch.Tensor] | None = None  # each MoE layer's [T, B, E] router logits, when the aux loss is asked
+    replay: torch.Tensor | None = None  # routing replay: the rollout's record (B, T, layers, top_k), -1 where none
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None,
@@ -101,14 +104,72 @@ class MegatronScoring(ModelScoring):
     `parallel_state`), `_tp_rank`, `_last` (the last pipeline stage) and `_head_plan` (the plan whose forward runs
     now)."""
 
+    router_replay = False  # routing replay of a rollout's record (hf_verl.pipeline.role_builder sets it)
+
     def _hook_routers(self, stage: torch.nn.Module) -> None:
         """A forward hook on each MoE layer's router (`decoder.layers[i].mlp.router`): while the running plan asks for
         the load-balancing loss, the router's logits, recomputed from its input, are kept in the plan."""
         self._aux_plan: Plan | None = None
+        self._routers: list[tuple[int, torch.nn.Module]] = []  # (global layer index, router) of this stage
         for layer in getattr(getattr(stage, "decoder", None), "layers", []):
             router = getattr(layer.mlp, "router", None)
             if router is not None:
                 router.register_forward_hook(self._keep_router_logits)
+                self._routers.append((int(layer.layer_number) - 1, router))
+
+    # ------------------------------------------------------------------ routing replay
+    def _replay_record(self, batch: Any) -> torch.Tensor:
+        """The batch's routing record for `router_replay` (see :meth:`_replaying`), checked against what this
+        engine can replay."""
+        record = getattr(batch, "routed_experts", None)
+        if record is None:
+            raise ValueError("router_replay=True but this rollout batch carries no routing record: its rollout engine "
+                             "does not record routing. Use the transformers, vllm or remote engine, or set "
+                             "router_replay=False.")
+        if self.dims.pp > 1:
+            raise ValueError("router_replay=True on backend='megatron' needs pipeline_model_parallel_size=1 (a "
+                             "pipeline schedule interleaves the micro-batches' forwards): set it to 1 or "
+                             "router_replay=False.")
+        if getattr(self._config, "recompute_granularity", None) is not None:
+            raise ValueError("router_replay=True on backend='megatron' does not combine with gradient_checkpointing "
+                             "(Megatron's recompute would route the recomputed layers again): turn one off.")
+        if any(r.router_replay is None for _, r in self._routers):
+            raise ValueError("this Megatron model was built without Megatron's routing replay "
+                             "(moe_enable_routing_replay); rebuild the engine.")
+        return record
+
+    @contextlib.contextmanager
+    def _replaying(self, plan: Plan):
+        """Every router of this stage routes the plan's tokens to the recorded experts (Megatron-Core's own
+        RouterReplay, `REPLAY_FORWARD`: the gate weights are the router's scores gathered at those experts, so the
+        router still gets a gradient). The record is laid out as the routers see the tokens: sequence-first
+        `[T, B]`, padded as the plan is, this rank's slice of the sequence under Megatron's sequence parallelism;
+        a token without a record (padding, a completion's last token: neither changes a scored log-prob) gets
+        experts 0..k-1."""
+        if plan.replay is None:
+            yield
+            return
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        record = plan.replay.to(device=plan.input_ids.device, dtype=torch.long)
+        B, T = plan.input_ids.shape
+        if record.shape[1] < T:  # the plan was padded for sequence parallelism
+            record = torch.cat([record, record.new_full((B, T - record.shape[1], *record.shape[2:]), -1)], 1)
+        record = record.transpose(0, 1)  # (T, B, layers, k), as the routers flatten their input
+        if self._config.sequence_parallel:
+            chunk = T // self.dims.tp
+            record = record[self._tp_rank * chunk : (self._tp_rank + 1) * chunk]
+        k = record.shape[-1]
+        record = torch.where(record >= 0, record, torch.arange(k, device=record.device))
+        try:
+            for layer, router in self._routers:
+                router.router_replay.set_target_indices(record[:, :, layer].reshape(-1, k))
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            yield
+        finally:
+            for _, router in self._routers:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
 
     def _keep_router_logits(self, module, args, output):
         plan = self._aux_plan
@@ -185,7 +246,7 @@ class MegatronScoring(ModelScoring):
             self._sequence_parallel_pad(plan)
         self._head_plan = plan if self._last else None
         self._aux_plan = plan if plan.router_logits is not None else None
-        with cpu_compat():
+        with cpu_compat(), self._replaying(plan):
             output = (model or self.module)(plan.input_ids, plan.position_ids, plan.attention_mask)
         return output[:, :T] if self._last and plan.input_ids.shape[1] != T else output
 
@@ -284,6 +345,8 @@ class MegatronScoring(ModelScoring):
             plan = self._stats_plan(ids, targets, select, mask, None, with_entropy=request.with_entropy,
                                     temperature=request.temperature if request.temperature > 0 else 1.0,
                                     chunk_size=request.chunk_size, with_aux_loss=request.with_aux_loss)
+            if self.router_replay:
+                plan.replay = self._replay_record(batch)
             stats = plan.finish
             plan.finish = lambda out: PolicyOutput(
                 logp=scatter_completion(batch, (s := stats(out)).logp),

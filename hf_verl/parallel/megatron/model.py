@@ -189,6 +189,9 @@ def _moe_config(arch: Architecture, ep: int) -> dict[str, Any]:
     return dict(num_moe_experts=arch.num_experts, moe_router_topk=arch.top_k, moe_ffn_hidden_size=arch.expert_size,
                 moe_router_pre_softmax=arch.pre_softmax, moe_router_score_function="softmax",
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+                # Megatron's own routing replay (each router gets a RouterReplay; idle until given indices): what
+                # hf_verl's router_replay drives (hf_verl.engine.megatron.scoring)
+                moe_enable_routing_replay=True,
                 expert_model_parallel_size=ep, **shared)
 
 
