@@ -252,3 +252,8 @@ def test_routing_replay_on_megatron_equals_the_accelerate_engines(tmp_path):
     for family, r in result.items():
         assert r["replayed"] < 1e-5 and r["own"] < 1e-5, (family, r)
         assert r["moved_megatron"] > 1e-3 and r["moved_accelerate"] > 1e-3, (family, r)
+        megatron, accelerate = r["metrics"]["megatron"], r["metrics"]["accelerate"]  # the routing metrics alike
+        assert set(megatron) == set(accelerate) and "moe/expert_load_cv" in megatron, (family, r["metrics"])
+        for name, value in accelerate.items():
+            assert megatron[name] == pytest.approx(value, abs=1e-6), (family, name)
+        assert 0 < megatron["moe/routing_agreement"] < 0.9

@@ -44,16 +44,20 @@ def main(out: str) -> None:
                                   trainable=False)
         accelerate = make_engine(copy.deepcopy(hf), "actor", RoleLayout(BackendSpec(), ParallelDims()), trainable=False)
         got = {}
+        metrics = {}
         for name, engine in (("megatron", megatron), ("accelerate", accelerate)):
-            own = engine.infer(b, LogProbs()).logp
+            own = engine.infer(b, LogProbs())
             engine.router_replay = True
-            got[name] = (engine.infer(b, LogProbs()).logp, own)
+            replayed = engine.infer(b, LogProbs())
+            got[name] = (replayed.logp, own.logp)
+            metrics[name] = replayed.routing
         mask = b.completion_mask.bool()
         result[family] = {
             "replayed": (got["megatron"][0] - got["accelerate"][0])[mask].abs().max().item(),
             "own": (got["megatron"][1] - got["accelerate"][1])[mask].abs().max().item(),
             "moved_megatron": (got["megatron"][0] - got["megatron"][1])[mask].abs().max().item(),
-            "moved_accelerate": (got["accelerate"][0] - got["accelerate"][1])[mask].abs().max().item()}
+            "moved_accelerate": (got["accelerate"][0] - got["accelerate"][1])[mask].abs().max().item(),
+            "metrics": metrics}
     with open(f"{out}/result.json", "w") as f:
         json.dump(result, f)
 

@@ -68,6 +68,9 @@ class Plan:
     token_mask: torch.Tensor | None = None  # (B, T) the aux loss's padding mask (None: every token counts)
     router_logits: list[torch.Tensor] | None = None  # each MoE layer's [T, B, E] router logits, when the aux loss is asked
     replay: torch.Tensor | None = None  # routing replay: the rollout's record (B, T, layers, top_k), -1 where none
+    routing: list | None = None  # MoE routing metrics: each layer's (routers' own top-k, experts used), router order
+    routing_mask: torch.Tensor | None = None  # (B, T) real tokens, laid out as the routers see them in _run
+    routing_record: torch.Tensor | None = None  # the replayed record in the routers' order (N, layers, top_k)
 
 
 def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None,
@@ -138,6 +141,25 @@ class MegatronScoring(ModelScoring):
                              "(moe_enable_routing_replay); rebuild the engine.")
         return record
 
+    def _routers_order(self, per_token: torch.Tensor) -> torch.Tensor:
+        """`(B, T, ...)` per-token values in the order this rank's routers see the tokens: sequence-first
+        `(T, B, ...)`, this rank's slice of the sequence under Megatron's sequence parallelism."""
+        out = per_token.transpose(0, 1)
+        if self._config.sequence_parallel:
+            chunk = out.shape[0] // self.dims.tp
+            out = out[self._tp_rank * chunk : (self._tp_rank + 1) * chunk]
+        return out
+
+    def _routing_metrics(self, plan: Plan) -> dict[str, float]:
+        """The MoE routing metrics of a forward (:mod:`hf_verl.moe.metrics`), from what the router hooks kept."""
+        from hf_verl.moe.metrics import routing_metrics
+
+        if not plan.routing:
+            return {}
+        natural = torch.stack([n for n, _ in plan.routing], dim=1)
+        return routing_metrics(natural, plan.routing_mask.reshape(-1), self._arch.num_experts,
+                               recorded=plan.routing_record, replayed=plan.replay is not None)
+
     @contextlib.contextmanager
     def _replaying(self, plan: Plan):
         """Every router of this stage routes the plan's tokens to the recorded experts (Megatron-Core's own
@@ -155,10 +177,8 @@ class MegatronScoring(ModelScoring):
         B, T = plan.input_ids.shape
         if record.shape[1] < T:  # the plan was padded for sequence parallelism
             record = torch.cat([record, record.new_full((B, T - record.shape[1], *record.shape[2:]), -1)], 1)
-        record = record.transpose(0, 1)  # (T, B, layers, k), as the routers flatten their input
-        if self._config.sequence_parallel:
-            chunk = T // self.dims.tp
-            record = record[self._tp_rank * chunk : (self._tp_rank + 1) * chunk]
+        record = self._routers_order(record)
+        plan.routing_record = record.reshape(-1, *record.shape[2:])
         k = record.shape[-1]
         record = torch.where(record >= 0, record, torch.arange(k, device=record.device))
         try:
@@ -172,6 +192,14 @@ class MegatronScoring(ModelScoring):
                 router.router_replay.clear_router_replay_action()
 
     def _keep_router_logits(self, module, args, output):
+        metrics_plan = getattr(self, "_routing_plan", None)
+        if metrics_plan is not None:  # the routers' own top-k (from their logits) and the experts the layer used
+            with torch.no_grad():
+                hidden = args[0].detach()
+                logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]),
+                                                    module.weight.detach().to(hidden.dtype))
+                k = self._arch.top_k
+                metrics_plan.routing.append((logits.float().topk(k).indices, output[1].float().topk(k).indices))
         plan = self._aux_plan
         if plan is not None and plan.router_logits is not None:
             logits = torch.nn.functional.linear(args[0], module.weight.to(args[0].dtype))
@@ -246,8 +274,17 @@ class MegatronScoring(ModelScoring):
             self._sequence_parallel_pad(plan)
         self._head_plan = plan if self._last else None
         self._aux_plan = plan if plan.router_logits is not None else None
-        with cpu_compat(), self._replaying(plan):
-            output = (model or self.module)(plan.input_ids, plan.position_ids, plan.attention_mask)
+        if plan.routing is not None:  # the real tokens in the routers' order (the plan may have been padded)
+            mask = plan.routing_mask
+            if mask.shape[1] < plan.input_ids.shape[1]:
+                mask = torch.cat([mask, mask.new_zeros(mask.shape[0], plan.input_ids.shape[1] - mask.shape[1])], 1)
+            plan.routing_mask = self._routers_order(mask)
+            self._routing_plan = plan
+        try:
+            with cpu_compat(), self._replaying(plan):
+                output = (model or self.module)(plan.input_ids, plan.position_ids, plan.attention_mask)
+        finally:
+            self._routing_plan = None  # a backward's recompute does not count again
         return output[:, :T] if self._last and plan.input_ids.shape[1] != T else output
 
     def _sequence_parallel_pad(self, plan: Plan) -> None:
@@ -347,10 +384,13 @@ class MegatronScoring(ModelScoring):
                                     chunk_size=request.chunk_size, with_aux_loss=request.with_aux_loss)
             if self.router_replay:
                 plan.replay = self._replay_record(batch)
+            if self._arch.is_moe and self.dims.pp == 1:  # routing metrics (every MoE layer on this stage)
+                plan.routing, plan.routing_mask = [], mask.bool()
             stats = plan.finish
             plan.finish = lambda out: PolicyOutput(
                 logp=scatter_completion(batch, (s := stats(out)).logp),
-                entropy=scatter_completion(batch, s.entropy) if request.with_entropy else None, aux_loss=s.aux_loss)
+                entropy=scatter_completion(batch, s.entropy) if request.with_entropy else None, aux_loss=s.aux_loss,
+                routing=self._routing_metrics(plan))
             return plan
         if isinstance(request, SamplingStatistics):
             ids, mask, select, targets = rollout_positions(batch)
@@ -404,7 +444,13 @@ class MegatronScoring(ModelScoring):
         self._whole_model("logprobs")
         plan = self._plan(LogProbs(temperature, chunk_size, with_entropy, with_aux_loss), batch)
         out = plan.finish(self._run(plan))
+        self._last_routing = out.routing
         return (out.logp, out.entropy, out.aux_loss) if with_aux_loss else (out.logp, out.entropy)
+
+    def take_routing_metrics(self) -> dict[str, float]:
+        """The routing metrics of the last :meth:`logprobs` forward of an MoE model, then cleared."""
+        out, self._last_routing = getattr(self, "_last_routing", {}), {}
+        return out
 
     def sampling_statistics(self, batch: RolloutBatch, *, temperature: float = 1.0,
                             chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
