@@ -128,7 +128,7 @@ def test_a_malformed_delta_is_refused_and_changes_nothing():
             remote.sync_weights([(name + DELTA_INDEX, torch.tensor([0], dtype=torch.int32))])
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         with urllib.request.urlopen(f"{server.address}/v1/weights/version") as resp:
-            assert json.loads(resp.read()) == {"weight_version": 0, "dtype": "float32"}
+            assert json.loads(resp.read()) == {"weight_version": 0, "dtype": "float32", "in_flight": True}
     finally:
         server.shutdown()
 

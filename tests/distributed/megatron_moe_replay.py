@@ -8,6 +8,7 @@ replay moved each engine's log-probs."""
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -36,12 +37,15 @@ def main(out: str) -> None:
     from hf_verl.engine.megatron import MegatronEngine
 
     ensure_process_group()
+    import torch.distributed as dist
+
+    pp = int(os.environ.get("MEGATRON_PP", "1"))  # under torchrun: a pipeline of pp stages replays too
+    dims = ParallelDims.data_parallel(dist.get_world_size(), dist.get_rank(), shard=False, pp=pp)
     result = {}
     for family in FAMILIES:
         hf = model(family)
         b = with_record(batch(), hf.config.num_hidden_layers)
-        megatron = MegatronEngine(copy.deepcopy(hf), role="actor", dims=ParallelDims.data_parallel(1, 0, shard=False),
-                                  trainable=False)
+        megatron = MegatronEngine(copy.deepcopy(hf), role="actor", dims=dims, trainable=False)
         accelerate = make_engine(copy.deepcopy(hf), "actor", RoleLayout(BackendSpec(), ParallelDims()), trainable=False)
         got = {}
         metrics = {}
@@ -58,8 +62,9 @@ def main(out: str) -> None:
             "moved_megatron": (got["megatron"][0] - got["megatron"][1])[mask].abs().max().item(),
             "moved_accelerate": (got["accelerate"][0] - got["accelerate"][1])[mask].abs().max().item(),
             "metrics": metrics}
-    with open(f"{out}/result.json", "w") as f:
-        json.dump(result, f)
+    if dist.get_rank() == 0:
+        with open(f"{out}/result.json", "w") as f:
+            json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -129,10 +129,6 @@ class MegatronScoring(ModelScoring):
             raise ValueError("router_replay=True but this rollout batch carries no routing record: its rollout engine "
                              "does not record routing. Use the transformers, vllm or remote engine, or set "
                              "router_replay=False.")
-        if self.dims.pp > 1:
-            raise ValueError("router_replay=True on backend='megatron' needs pipeline_model_parallel_size=1 (a "
-                             "pipeline schedule interleaves the micro-batches' forwards): set it to 1 or "
-                             "router_replay=False.")
         if getattr(self._config, "recompute_granularity", None) is not None:
             raise ValueError("router_replay=True on backend='megatron' does not combine with gradient_checkpointing "
                              "(Megatron's recompute would route the recomputed layers again): turn one off.")
@@ -162,9 +158,10 @@ class MegatronScoring(ModelScoring):
 
     @contextlib.contextmanager
     def _replaying(self, plan: Plan):
-        """Every router of this stage routes the plan's tokens to the recorded experts (Megatron-Core's own
-        RouterReplay, `REPLAY_FORWARD`: the gate weights are the router's scores gathered at those experts, so the
-        router still gets a gradient). The record is laid out as the routers see the tokens: sequence-first
+        """Every router of this stage routes the plan's tokens to the recorded experts, set around each stage's
+        forward of each micro-batch (a pipeline schedule replays every micro-batch on every stage) through
+        Megatron-Core's own RouterReplay, `REPLAY_FORWARD`: the gate weights are the router's scores gathered at
+        those experts, so the router still gets a gradient. The record is laid out as the routers see the tokens: sequence-first
         `[T, B]`, padded as the plan is, this rank's slice of the sequence under Megatron's sequence parallelism;
         a token without a record (padding, a completion's last token: neither changes a scored log-prob) gets
         experts 0..k-1."""
