@@ -30,6 +30,37 @@ def _model(tok, seed):
                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
 
 
+def update_while_held(served: TransformersEngine, held: int, generate, update):
+    """Run `generate()` in a thread, hold the `served` engine's model inside forward number `held`, start `update()`
+    in another thread, wait until that update waits at the engine's turnstile (so it must land right after the held
+    forward), then release both; returns what `generate()` returned."""
+    reached, release, forwards, result = threading.Event(), threading.Event(), [0], {}
+
+    def hold(_module, _args, _out):  # inside the forward: the weights lock is held
+        forwards[0] += 1
+        if forwards[0] == held:
+            reached.set()
+            assert release.wait(30)
+
+    hook = served.model.register_forward_hook(hold)
+    try:
+        worker = threading.Thread(target=lambda: result.update(out=generate()))
+        worker.start()
+        assert reached.wait(30)
+        updating = threading.Thread(target=update)
+        updating.start()
+        deadline = time.time() + 30
+        while not served._turnstile.locked():
+            assert time.time() < deadline
+            time.sleep(0.001)
+        release.set()
+        updating.join(30)
+        worker.join(30)
+    finally:
+        hook.remove()
+    return result["out"]
+
+
 @pytest.mark.parametrize("held", [1, 4])
 def test_an_update_lands_between_two_decode_steps_and_tags_every_token(held):
     tok = build_char_tokenizer()
@@ -39,29 +70,8 @@ def test_an_update_lands_between_two_decode_steps_and_tags_every_token(held):
     engine.eos_token_ids = set()  # every completion runs to the length limit
     prompts = [tok("abc").input_ids, tok("hello").input_ids]
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
-    reached, release, forwards, result = threading.Event(), threading.Event(), [0], {}
-
-    def hold(_module, _args, _out):  # inside the forward: the weights lock is held
-        forwards[0] += 1
-        if forwards[0] == held:
-            reached.set()
-            assert release.wait(30)
-
-    hook = engine.model.register_forward_hook(hold)
-    worker = threading.Thread(target=lambda: result.update(out=engine.generate(prompts, greedy)))
-    worker.start()
-    assert reached.wait(30)
-    update = threading.Thread(target=lambda: engine.sync_weights(new.state_dict().items()))
-    update.start()
-    deadline = time.time() + 30
-    while not engine._turnstile.locked():  # the update waits at the turnstile: it lands after this forward
-        assert time.time() < deadline
-        time.sleep(0.001)
-    release.set()
-    update.join(30)
-    worker.join(30)
-    hook.remove()
-    out = result["out"]
+    out = update_while_held(engine, held, lambda: engine.generate(prompts, greedy),
+                            lambda: engine.sync_weights(new.state_dict().items()))
     # forward `held` gave token held-1's logits under the old weights; every later token is the new weights'
     assert out.extra["token_versions"] == [[0] * held + [1] * (12 - held)] * 2
     assert engine.weight_version == 1
@@ -134,34 +144,15 @@ def test_hf_verl_serve_takes_an_update_in_flight_and_reports_each_tokens_version
         remote = RemoteEngine(server.address, token="t0k")
         assert remote.supports_in_flight_updates
         remote.tag_token_versions = True
-        held, reached, release, forwards, result = 3, threading.Event(), threading.Event(), [0], {}
-
-        def hold(_module, _args, _out):
-            forwards[0] += 1
-            if forwards[0] == held:
-                reached.set()
-                assert release.wait(30)
-
-        hook = served.model.register_forward_hook(hold)
+        held = 3
         prompt = [tok("abc").input_ids]
         greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
-        worker = threading.Thread(target=lambda: result.update(out=remote.generate(prompt, greedy)))
-        worker.start()
-        assert reached.wait(30)
-        update = threading.Thread(target=lambda: remote.sync_weights(new.state_dict().items()))
-        update.start()
-        deadline = time.time() + 30
-        while not served._turnstile.locked():  # the upload arrived and waits between two decode steps
-            assert time.time() < deadline
-            time.sleep(0.001)
-        release.set()
-        update.join(30)
-        worker.join(30)
-        hook.remove()
-        assert result["out"].extra["token_versions"] == [[0] * held + [1] * (10 - held)]
+        out = update_while_held(served, held, lambda: remote.generate(prompt, greedy),
+                                lambda: remote.sync_weights(new.state_dict().items()))
+        assert out.extra["token_versions"] == [[0] * held + [1] * (10 - held)]
         assert remote.weight_version == served.weight_version == 1
         before = TransformersEngine(old, tok).generate(prompt, greedy).completion_ids[0]
-        assert result["out"].completion_ids[0][:held] == before[:held]
+        assert out.completion_ids[0][:held] == before[:held]
     finally:
         server.shutdown()
 

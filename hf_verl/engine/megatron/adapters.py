@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_verl.engine.megatron.weights import MegatronWeights
+from hf_verl.engine.megatron.weights import MegatronWeights, buckets
 from hf_verl.engine.parts.adapters import AdapterEngine
 from hf_verl.parallel.megatron.lora import LoraLinear, PeftLora, attach
 
@@ -102,7 +102,7 @@ class MegatronAdapters(AdapterEngine):
         else:
             pairs = ((k, v if dtype is None else v.to(dtype))
                      for k, v in self.adapter_state_dict(adapter_name=self._peft.adapter_name).items())
-        return _buckets(pairs, bucket_bytes)
+        return buckets(pairs, bucket_bytes)
 
     def _gather_dim(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(self.dims.tp)]
@@ -144,15 +144,3 @@ class MegatronAdapters(AdapterEngine):
 
 def _input_requires_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     return output.requires_grad_(True) if torch.is_grad_enabled() else output
-
-
-def _buckets(pairs: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    bucket, size = [], 0
-    for name, t in pairs:
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket

@@ -140,15 +140,7 @@ class MegatronWeights(WeightsEngine):
 
     def export_weights(self, bucket_bytes: int, *, dtype: torch.dtype | None = None,
                        **_: Any) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        bucket, size = [], 0
-        for name, t in self._named_hf(dtype):
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
+        return buckets(self._named_hf(dtype), bucket_bytes)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self._named_hf(None))
@@ -211,3 +203,16 @@ class MegatronWeights(WeightsEngine):
             state = torch.load(optim, weights_only=True)  # tensors, numbers and strings only
             self.load_optimizer_state_dict(state["optimizer"])
             self.load_scheduler_state_dict(state["scheduler"])
+
+
+def buckets(pairs: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`(name, tensor)` pairs grouped into lists of about `bucket_bytes` (a bucket closes once it reaches them)."""
+    bucket, size = [], 0
+    for name, t in pairs:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
