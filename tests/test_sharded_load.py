@@ -13,6 +13,7 @@ given as paths train 2 steps exactly as the same run given the models loaded who
 """
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -379,8 +380,9 @@ def test_the_by_hand_snippet_runs_as_written(launch, tmp_path):
                f"configs/accelerate/{launch}_cpu.yaml", "--main_process_port", str(_free_port()), str(script)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    reports = sorted((json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
-                      if line.startswith("SNIPPET ")), key=lambda r: r["rank"])
+    # the ranks print to one pipe at once: a report may follow another on its line, so each is found on its own
+    reports = sorted((json.loads(m) for m in re.findall(r"SNIPPET (\{[^{}]*\})", proc.stdout)),
+                     key=lambda r: r["rank"])
     if launch == "one process":
         assert reports == [{"rank": 0, "world": 1, "backend": "plain", "sharded": False, "share": 1.0}]
         return
