@@ -164,8 +164,9 @@ class AccelerateEngine(HFLayouts, TrainingEngine):
     # ------------------------------------------------------------------ forward primitives
     def token_logprobs(self, input_ids, targets, select, *, attention_mask=None, position_ids=None,
                        temperature=1.0, chunk_size=1024, with_entropy=False, with_mean_logit=False,
-                       with_aux_loss=False, with_log_sum_sq=False) -> TokenStats:
+                       with_aux_loss=False, with_log_sum_sq=False, model_inputs=None) -> TokenStats:
         kwargs = self._forward(input_ids, attention_mask, position_ids)
+        kwargs.update(model_inputs or {})  # a vision-language model's pixel inputs (hf_verl/engine/vision.py)
         if with_aux_loss:
             kwargs["output_router_logits"] = True
         with self.autocast():

@@ -34,6 +34,7 @@ from hf_verl.data.prefix_sharing import (
     sharing_cost,
 )
 from hf_verl.engine.parts.scoring import TokenStats
+from hf_verl.engine.vision import has_vision_inputs, vision_logprobs
 from hf_verl.moe.metrics import routing_metrics
 from hf_verl.moe.routing import RoutingTap
 
@@ -128,6 +129,9 @@ class HFLayouts:
             `(logp, entropy)`; with `with_aux_loss`, `(logp, entropy, aux_loss)` where `aux_loss` is the
             model's router load-balancing loss of this forward (a Mixture-of-Experts model).
         """
+        if has_vision_inputs(batch):  # rows with images: padded, their pixel inputs beside the ids
+            return vision_logprobs(self, batch, temperature=temperature, chunk_size=chunk_size,
+                                   with_entropy=with_entropy, with_aux_loss=with_aux_loss)
         if self.dims.sp > 1 and with_aux_loss:
             raise ValueError("a Mixture-of-Experts router aux loss (router_aux_loss_coef > 0) is not supported "
                              "with sequence_parallel_size > 1: set router_aux_loss_coef=0 or "
@@ -183,6 +187,9 @@ class HFLayouts:
                             chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
         """`(B, C)` log-probs of a rollout's completion tokens and `sum_v pi_v^2` at each of them (no gradient;
         0 on padding)."""
+        if has_vision_inputs(batch):
+            raise ValueError("the optimal-token-baseline estimators do not run on rows with images yet: choose "
+                             "another advantage_estimator.")
         if self.dims.sp > 1:
             raise ValueError("the optimal-token-baseline estimators need per-token sampling statistics, which the "
                              "sequence-parallel path does not compute yet: choose another advantage_estimator or "
@@ -196,6 +203,9 @@ class HFLayouts:
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         """`(B, C)` critic values of the states before each completion token, 0 on padding."""
+        if has_vision_inputs(batch):
+            raise ValueError("a critic (PPO) does not run on rows with images yet: train vision-language models with "
+                             "GRPOTrainer, RLOOTrainer or DPOTrainer.")
         if self._packs(batch):
             from hf_verl.data.packing import pack_rollout
             from hf_verl.parallel.ulysses import packed_values, use_segment_attention

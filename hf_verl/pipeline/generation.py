@@ -17,6 +17,7 @@ import torch
 
 from hf_verl.data.batch import NOT_ROUTED, RolloutBatch, pad_sequences
 from hf_verl.data.prompts import is_conversational
+from hf_verl.data.vision import VISION_INPUTS
 from hf_verl.parallel import watchdog
 from hf_verl.rewards.callables import score_reward_funcs
 from hf_verl.rollout.base import (
@@ -27,6 +28,7 @@ from hf_verl.rollout.base import (
     SamplingParams,
 )
 from hf_verl.rollout.tools import parse_assistant_turn
+from hf_verl.rollout.vision import generate_with_images
 
 
 def row_seeds(seed: int, round_index: int, dp_rank: int, dp_size: int, rows: int) -> list[int]:
@@ -88,9 +90,17 @@ def routing_fields(records: Sequence[torch.Tensor], prompt_lengths: Sequence[int
 def generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], prompts: Sequence[Any],
              sampling: SamplingParams, tokenizer: Any, device: torch.device | str, *,
              row_seeds: Sequence[int] | None = None, version: int | None = None,
-             batch_cls: type[RolloutBatch] = RolloutBatch) -> RolloutBatch:
-    """Generate one completion per prompt on `engine` (see :meth:`RolloutEngine.generate`)."""
+             batch_cls: type[RolloutBatch] = RolloutBatch,
+             vision_inputs: Sequence[dict] | None = None) -> RolloutBatch:
+    """Generate one completion per prompt on `engine` (see :meth:`RolloutEngine.generate`); with `vision_inputs`
+    (each prompt's pixel inputs, :mod:`hf_verl.data.vision`) through :func:`~hf_verl.rollout.vision.generate_with_images`,
+    the rows keeping them in `meta`."""
     kwargs = {} if row_seeds is None else {"row_seeds": list(row_seeds)}
+    if vision_inputs is not None:  # prompts with images: their pixel inputs in the prefill, and on the rows
+        out = generate_with_images(engine, prompt_ids, vision_inputs, sampling, **kwargs)
+        batch = batch_from_output(prompt_ids, prompts, out, tokenizer, device, version=version, batch_cls=batch_cls)
+        batch.meta[VISION_INPUTS] = list(vision_inputs)
+        return batch
     out = engine.generate(prompt_ids, sampling, **kwargs)
     return batch_from_output(prompt_ids, prompts, out, tokenizer, device, version=version, batch_cls=batch_cls)
 

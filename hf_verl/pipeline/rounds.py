@@ -25,6 +25,7 @@ import torch
 
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.data.prompts import pretokenized_prompts, tokenize_prompts
+from hf_verl.data.vision import VisionPrompts, row_images, tokenize_vision_prompts
 from hf_verl.pipeline import generation
 from hf_verl.rewards.callables import RewardCallContext, combine_rewards
 from hf_verl.rollout.base import (  # noqa: F401 (split_generation_kwargs: importable from here too)
@@ -91,13 +92,16 @@ class RoundCollector:
         batch_cls (`type`): the batch type to build (the facade's `Rollout`).
         stream_scoring (`bool`): on a server engine (`generate_stream`) without row seeds, score each request's
             rows as it returns while later ones still generate.
+        processor (*optional*): a vision-language model's processor; rows with images (`image` / `images`) are
+            tokenised through it with their pixel inputs (:mod:`hf_verl.data.vision`).
     """
 
     def __init__(self, tokenizer: Any, reward_funcs: Sequence[Any], settings: Any, *,
                  max_new_tokens: Callable[[], int], prompt_limit: Callable[[], int | None],
                  tool_rollout: Any = None, batch_cls: type[RolloutBatch] = RolloutBatch,
-                 stream_scoring: bool = True) -> None:
+                 stream_scoring: bool = True, processor: Any = None) -> None:
         self.tokenizer, self.reward_funcs, self.settings = tokenizer, list(reward_funcs), settings
+        self.processor = processor
         self.max_new_tokens, self.prompt_limit = max_new_tokens, prompt_limit
         self.tool_rollout, self.batch_cls, self.stream_scoring = tool_rollout, batch_cls, stream_scoring
 
@@ -111,6 +115,10 @@ class RoundCollector:
         rollout renders each prompt with its row's tools itself)."""
         if self.tool_rollout is not None:
             return None
+        if self.processor is not None and row_images(rows[0]) is not None:
+            return tokenize_vision_prompts(rows, self.processor, self.prompt_limit(),
+                                           getattr(self.settings, "chat_template_kwargs", None)), \
+                [r["prompt"] for r in rows]
         if "prompt" in rows[0]:
             prompts = [r["prompt"] for r in rows]
             return tokenize_prompts(prompts, self.tokenizer, self.prompt_limit(),
@@ -150,14 +158,16 @@ class RoundCollector:
                              result.num_truncated, {"generate": result.generate_s, "reward": result.reward_s},
                              context)
         tok, prompts = tokenized if tokenized is not None else self.tokenize(rows)
-        if self.stream_scoring and hasattr(engine, "generate_stream") and row_seeds is None:
+        vision = tok.vision_inputs if isinstance(tok, VisionPrompts) else None
+        if vision is None and self.stream_scoring and hasattr(engine, "generate_stream") and row_seeds is None:
             batch, rewards_per_func, reward_s = generation.generate_scoring_as_done(
                 engine, tok.ids, prompts, sampling, self.tokenizer, device, reward_funcs, columns,
                 getattr(self.settings, "num_generations", 1))
             timings = {"generate": time.perf_counter() - t0 - reward_s, "reward": reward_s}
         else:
             batch = generation.generate(engine, tok.ids, prompts, sampling, self.tokenizer, device,
-                                        row_seeds=row_seeds, version=version, batch_cls=self.batch_cls)
+                                        row_seeds=row_seeds, version=version, batch_cls=self.batch_cls,
+                                        vision_inputs=vision)
             t1 = time.perf_counter()
             rewards_per_func = generation.score(reward_funcs, batch, columns)
             timings = {"generate": t1 - t0, "reward": time.perf_counter() - t1}

@@ -104,7 +104,8 @@ class GRPOConfig(VLLMArguments, RolloutArguments, ParallelArguments, ModelParall
         "Completions shown per log with log_completions (None: all of the round; <= 0: none)."))
     log_unique_prompts: bool = field(default=False, metadata=_help("Show each prompt once in the logged sample."))
     log_multimodal: bool = field(default=True, metadata=_help(
-        "Log images with completions (TRL); hf_verl trains text only and refuses image columns, so there are none."))
+        "Log images with completions (TRL); hf_verl trains on image columns but its completions table has no image "
+        "column yet, so none are logged."))
     log_completions_hub_repo: str | None = field(default=None, metadata=_help(
         "Not supported: completions are written to output_dir/completions; upload that folder yourself."))
 

@@ -13,7 +13,7 @@ import copy
 import logging
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoProcessor, AutoTokenizer
 
 from hf_verl.algorithms.policy_losses import (
     entropy_quantile,
@@ -22,6 +22,7 @@ from hf_verl.algorithms.policy_losses import (
 )
 from hf_verl.algorithms.registry import get_advantage_estimator
 from hf_verl.data.batch import RolloutBatch
+from hf_verl.data.vision import is_vision_model
 from hf_verl.engine.model_options import cast_lm_head_to_fp32
 from hf_verl.parallel import comm
 from hf_verl.pipeline.tool_rollout import ENVIRONMENT_COLUMN, ToolRollout
@@ -32,6 +33,7 @@ from hf_verl.trainers.grpo_config import GRPOConfig
 from hf_verl.trainers.on_policy import OnPolicyTrainer
 from hf_verl.trainers.policy_control import ReferenceMixCallback
 from hf_verl.trainers.quantization import check_quantized_run, merge_quantization_config
+from hf_verl.trainers.vision_checks import refuse_vision_settings
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +117,9 @@ class GRPOTrainer(OnPolicyTrainer):
         funcs = [] if reward_funcs is None else (
             list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
         reward_processing_classes = align_processing_classes(len(funcs), reward_processing_classes)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
-                                                             trust_remote_code=args.trust_remote_code)
+        if processing_class is None:  # a vision-language model's processor, as TRL loads it
+            auto = AutoProcessor if is_vision_model(model) else AutoTokenizer
+            processing_class = auto.from_pretrained(model.config._name_or_path, trust_remote_code=args.trust_remote_code)
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -148,6 +150,9 @@ class GRPOTrainer(OnPolicyTrainer):
         if args.sync_ref_model:
             self.add_callback(ReferenceMixCallback(self))
         self._tool_rollout, self.rollout_func = tool_rollout, rollout_func
+        if self.trains_on_images:
+            refuse_vision_settings(type(self).__name__, args, None, None, tools=tool_rollout is not None,
+                                   rollout_func=rollout_func is not None)
 
     @staticmethod
     def _tool_setup(args, tools, environment_factory, rollout_func, reward_funcs, reward_processing_classes,

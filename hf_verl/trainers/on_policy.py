@@ -35,6 +35,7 @@ from hf_verl.data.prompts import (
     ensure_pad_token,
 )
 from hf_verl.data.samplers import RepeatGroupSampler, ReplicaDeal, process_dp_ranks
+from hf_verl.data.vision import check_vision_setup, text_tokenizer
 from hf_verl.parallel import comm
 from hf_verl.parallel.precision import amp_dtype
 from hf_verl.parallel.sharded_load import loaded_sharded
@@ -65,6 +66,7 @@ from hf_verl.trainers.round_data import (
     is_iterable,
     rows_collator,
 )
+from hf_verl.trainers.vision_checks import refuse_vision_settings
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +80,15 @@ class OnPolicyTrainer(RolloutEvaluation, EngineTrainerMixin, Trainer):
     def __init__(self, *, model, args, reward_funcs, reward_processing_classes, train_dataset, eval_dataset,
                  processing_class, callbacks, optimizers, ref_model=None, need_reference: bool = False,
                  is_peft: bool = False, critic: bool = False) -> None:
-        ensure_pad_token(processing_class)
+        tokenizer = text_tokenizer(processing_class)  # a vision-language model's processor holds its tokenizer
+        ensure_pad_token(tokenizer)
         if args.gradient_checkpointing:
             model.config.use_cache = False
         if train_dataset is not None and "input_ids" not in (train_dataset.column_names or []):
             check_prompt_column(train_dataset.column_names)
-        for ds in (train_dataset, *((eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]))):
-            images = sorted({"image", "images"} & set(getattr(ds, "column_names", None) or []))
-            if images:
-                raise ValueError(f"the dataset has image column(s) {images}: hf_verl trains text-only models; drop "
-                                 "the column(s) (dataset.remove_columns) or use a text-only dataset.")
+        evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+        self.trains_on_images = check_vision_setup(model, processing_class, [train_dataset, *evals],
+                                                   trainer=type(self).__name__)
         self.reward_funcs = resolve_reward_sources(reward_funcs, reward_processing_classes)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
         # every role is built by the role builder the facade uses too (pipeline/role_builder.py)
@@ -109,10 +110,12 @@ class OnPolicyTrainer(RolloutEvaluation, EngineTrainerMixin, Trainer):
         if self.ref_model is not None and not loaded_sharded(self.ref_model):
             self.ref_model = self.ref_model.to(device)
         self._init_engines(builder)
+        if self.trains_on_images:
+            refuse_vision_settings(type(self).__name__, args, self.backend, self.dims)
         self.reference = builder.reference(self.ref_model)
         builder.place_rewards(self.reward_funcs, async_rollout=getattr(args, "use_async_rollout", False))
         self.engine: RolloutEngine = builder.generator(
-            args, actor=self.actor, replica=None if replica is None else replica.to(device), tokenizer=processing_class,
+            args, actor=self.actor, replica=None if replica is None else replica.to(device), tokenizer=tokenizer,
             engine=getattr(args, "rollout_engine", None), max_new_tokens=self._max_new_tokens(),
             seed=args.seed + self.dims.dp_rank, autocast_dtype=amp_dtype(bool(args.bf16), bool(args.fp16)))
         self._metrics: dict[str, list[float]] = defaultdict(list)
@@ -128,14 +131,15 @@ class OnPolicyTrainer(RolloutEvaluation, EngineTrainerMixin, Trainer):
             global_step=lambda: self.state.global_step, version=self._round_index))
         self.completion_log = CompletionLog(args, self.reward_names, seed=args.seed)
         self._prompt_limit = self._engine_prompt_limit(args.max_prompt_length)
-        self._collector = RoundCollector(processing_class, self.reward_funcs, args, max_new_tokens=self._max_new_tokens,
-                                         prompt_limit=lambda: self._prompt_limit)
+        self._collector = RoundCollector(tokenizer, self.reward_funcs, args, max_new_tokens=self._max_new_tokens,
+                                         prompt_limit=lambda: self._prompt_limit,
+                                         processor=processing_class if self.trains_on_images else None)
         if train_dataset is not None and hasattr(train_dataset, "__len__"):
             self._get_train_sampler()  # a dataset too small for one round fails here, not at train()
         # the algorithm: advantages, the loss handed to each engine's step, its metrics (the facade's object too)
         self.algorithm = make_algorithm(
             args, critic=critic, model=model, metrics=self._metrics, reward_names=self.reward_names,
-            eos_token_id=processing_class.eos_token_id, sampling_temperature=lambda: self._sampling_params().temperature,
+            eos_token_id=tokenizer.eos_token_id, sampling_temperature=lambda: self._sampling_params().temperature,
             forward_batch_size=lambda rows: self._forward_rows())
 
     def _engine_prompt_limit(self, max_prompt_length: int | None) -> int | None:

@@ -93,6 +93,8 @@ class ModelScoring(ScoringEngine, EngineModel):
             attention_mask / position_ids: as the model takes them (packed rows: position ids only).
             temperature (`float`): logits are divided by it. chunk_size (`int`): positions per LM-head chunk.
             with_entropy / with_mean_logit (`bool`): also return those per position.
+            model_inputs (`dict`, *optional*): more keyword inputs of the model's forward (a vision-language
+                model's pixel inputs); engines that take them accept the keyword, the others need not.
         """
 
     @abc.abstractmethod

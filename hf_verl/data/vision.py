@@ -1,0 +1,183 @@
+"""Vision-language rows: TRL's image dataset formats, the construction checks, and each row's pixel inputs.
+
+TRL 1.16's formats: an `image` column (one image per row) or an `images` column (a list per row) beside a
+*conversational* `prompt`; the images go into the first user turn as `{"type": "image"}` parts (TRL's
+`prepare_multimodal_messages`), or the prompt's messages already hold `{"type": "image", "image": ...}` parts. The
+`processing_class` is the model's processor (an `AutoProcessor`: a tokenizer and an image processor); its
+`apply_chat_template` renders and tokenises a row and returns the model's pixel inputs beside the ids.
+
+A row's pixel inputs travel with it as one dict of tensors (:func:`tokenize_vision_prompts`, kept in
+`RolloutBatch.meta[VISION_INPUTS]`, so that selecting rows selects them) and are laid out for a forward by
+:func:`collate_vision_inputs`: per-image fields (`pixel_values`, `image_grid_thw`, `pixel_attention_mask`, ...) are
+concatenated over the rows; per-token fields (`token_type_ids`, `mm_token_type_ids`) are placed under the row's
+left-padded prompt and zero elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hf_verl.data.prompts import TokenizedPrompts, is_conversational
+
+IMAGE_COLUMNS = ("image", "images")
+VISION_INPUTS = "vision_inputs"  # the RolloutBatch.meta key of each row's pixel inputs
+PER_TOKEN_FIELDS = ("token_type_ids", "mm_token_type_ids")  # (1, prompt length) fields of a processor's output
+
+
+def image_columns(dataset: Any) -> list[str]:
+    """The image columns (`image`, `images`) of a dataset (none for a dataset without column names)."""
+    return sorted(set(IMAGE_COLUMNS) & set(getattr(dataset, "column_names", None) or []))
+
+
+def text_tokenizer(processing_class: Any) -> Any:
+    """The tokenizer of a processor (its `tokenizer`), or `processing_class` itself when it is a tokenizer."""
+    inner = getattr(processing_class, "tokenizer", None)
+    return inner if inner is not None and hasattr(processing_class, "apply_chat_template") else processing_class
+
+
+def is_vision_model(model: Any) -> bool:
+    """Whether `model` (a transformers model, PEFT-wrapped or not) has a vision tower: its config has a
+    `vision_config`."""
+    config = getattr(model, "config", None)
+    return getattr(config, "vision_config", None) is not None
+
+
+def check_vision_setup(model: Any, processing_class: Any, datasets: Sequence[Any], *, trainer: str) -> bool:
+    """Refuse, at construction, image columns a run cannot use; return whether the run trains on images.
+
+    Raises:
+        ValueError: an image column with a text-only model, or with a `processing_class` that has no image
+            processor (a tokenizer where the model's `AutoProcessor` is needed).
+    """
+    columns = sorted({c for ds in datasets if ds is not None for c in image_columns(ds)})
+    if not columns:
+        return False
+    if not is_vision_model(model):
+        name = type(getattr(model, "get_base_model", lambda: model)()).__name__
+        raise ValueError(f"{trainer}: the dataset has image column(s) {columns} but the model ({name}) is text-only "
+                         "(its config has no vision_config). Train a vision-language model (Qwen2-VL, Gemma 3, "
+                         "SmolVLM, ...) or drop the column(s) (dataset.remove_columns).")
+    if getattr(processing_class, "image_processor", None) is None:
+        raise ValueError(f"{trainer}: the dataset has image column(s) {columns} but processing_class "
+                         f"({type(processing_class).__name__}) has no image processor. Pass the model's processor: "
+                         "processing_class=AutoProcessor.from_pretrained(<model>).")
+    return True
+
+
+def row_images(row: Mapping) -> list | None:
+    """A row's images as TRL reads them: its `images` list, or `[image]`; None without."""
+    if "images" in row:
+        images = row.get("images")
+        return list(images) if images else None
+    image = row.get("image")
+    return None if image is None else [image]
+
+
+def prepare_multimodal_messages(messages: Sequence[Mapping], images: Sequence | None) -> list[dict]:
+    """TRL's conversion of a conversational prompt with `images`: string contents become text parts, and the images
+    go into the first user turn as image parts before its text; messages that already hold image parts keep them
+    (their unfilled placeholders are filled from `images`, in order).
+
+    Raises:
+        ValueError: more or fewer placeholders than images.
+    """
+    images = list(images or [])
+    structured = any(isinstance(m.get("content"), list) for m in messages)
+    out, placed = [], False
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") == "image" and part.get("image") is None:
+                    if not images:
+                        raise ValueError("the prompt has more image placeholders than the row has images.")
+                    part = {**part, "image": images.pop(0)}
+                parts.append(dict(part))
+        else:
+            parts = [] if content is None else [{"type": "text", "text": content}]
+            if not structured and not placed and m.get("role") == "user" and images:
+                parts = [{"type": "image", "image": img} for img in images] + parts
+                images, placed = [], True
+        out.append({**m, "content": parts})
+    if images:
+        raise ValueError(f"{len(images)} image(s) of the row have no place in its prompt: give a user turn, or as "
+                         "many {'type': 'image'} parts as images.")
+    return out
+
+
+@dataclass
+class VisionPrompts(TokenizedPrompts):
+    """Tokenised prompts with images: besides the texts and ids, each row's pixel inputs."""
+
+    vision_inputs: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def tokenize_vision_prompts(rows: Sequence[Mapping], processor: Any, max_prompt_length: int | None,
+                            chat_template_kwargs: dict | None = None) -> VisionPrompts:
+    """Render and tokenise each row's conversational prompt with its images through `processor`.
+
+    Returns:
+        [`VisionPrompts`]: per row, the prompt as text (image placeholders unexpanded), its token
+        ids (image tokens expanded by the processor) and its pixel inputs (every processor output besides
+        `input_ids` / `attention_mask`, per-token fields as `(prompt length,)`).
+
+    Raises:
+        ValueError: a prompt that is not conversational (TRL's rule: the processor applies the chat template), or
+            longer than `max_prompt_length` (cutting it would cut its image tokens off their pixels).
+    """
+    texts, ids, inputs = [], [], []
+    for i, row in enumerate(rows):
+        prompt = row.get("prompt")
+        if not is_conversational(prompt):
+            raise ValueError(f"prompt {i}: training on images needs conversational prompts (a list of "
+                             "{'role', 'content'} messages), as in TRL: pass the raw messages and let the trainer "
+                             "apply the chat template.")
+        messages = prepare_multimodal_messages(prompt, row_images(row))
+        out = processor.apply_chat_template([messages], add_generation_prompt=True, tokenize=True, return_dict=True,
+                                            return_tensors="pt", **(chat_template_kwargs or {}))
+        row_ids = [int(t) for t in out["input_ids"][0]]
+        if max_prompt_length is not None and len(row_ids) > max_prompt_length:
+            raise ValueError(f"prompt {i} has {len(row_ids)} tokens with its image tokens, more than "
+                             f"max_prompt_length={max_prompt_length}; image prompts are not truncated (the image "
+                             "tokens would lose their pixels): raise max_prompt_length or set it to None.")
+        fields = {}
+        for key, value in out.items():
+            if key in ("input_ids", "attention_mask"):
+                continue
+            value = torch.as_tensor(value)
+            fields[key] = value[0] if key in PER_TOKEN_FIELDS else value
+        texts.append(processor.apply_chat_template([messages], add_generation_prompt=True, tokenize=False,
+                                                   **(chat_template_kwargs or {}))[0])
+        ids.append(row_ids)
+        inputs.append(fields)
+    return VisionPrompts(texts, ids, 0, inputs)
+
+
+def collate_vision_inputs(inputs: Sequence[Mapping[str, torch.Tensor]], *, prompt_width: int, width: int,
+                          device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs for rows laid out as a left-padded prompt of `prompt_width` (each row's prompt
+    ending at `prompt_width`) followed by `width - prompt_width` completion positions.
+
+    Raises:
+        ValueError: rows whose pixel inputs name different fields (a batch mixes rows with and without images).
+    """
+    keys = list(inputs[0])
+    if any(list(x) != keys for x in inputs):
+        raise ValueError("the rows of one batch have different pixel inputs "
+                         f"({sorted({k for x in inputs for k in x})}): every row needs images, or none.")
+    out = {}
+    for key in keys:
+        if key in PER_TOKEN_FIELDS:
+            laid = torch.zeros((len(inputs), width), dtype=inputs[0][key].dtype)
+            for i, x in enumerate(inputs):
+                n = x[key].shape[0]
+                laid[i, prompt_width - n : prompt_width] = x[key]
+            out[key] = laid.to(device)
+        else:
+            out[key] = torch.cat([x[key] for x in inputs]).to(device)
+    return out

@@ -1,0 +1,143 @@
+"""Vision-language models in GRPOTrainer / RLOOTrainer / DPOTrainer (TRL's `image` / `images` columns with an
+`AutoProcessor`), on a tiny Gemma 3 built in code (tests/vlm_models.py): the rollout's log-probs equal the training
+forward's, they depend on the image, a few steps train every parameter, and bad setups fail at construction."""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from tests.vlm_models import build_gemma3, random_image
+
+
+def _dataset(n: int = 4, column: str = "image") -> Dataset:
+    rows = []
+    for i in range(n):
+        image = random_image(i)
+        rows.append({"prompt": [{"role": "user", "content": f"what is {'abcdefgh'[i]}?"}],
+                     column: image if column == "image" else [image]})
+    return Dataset.from_list(rows)
+
+
+def _length_reward(completions, **kwargs):
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+def _grpo_args(tmp_path, **overrides):
+    from hf_verl import GRPOConfig
+
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                    max_completion_length=6, max_steps=2, learning_rate=1e-2, report_to="none", use_cpu=True,
+                    bf16=False, beta=0.1, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=3)
+    settings.update(overrides)
+    return GRPOConfig(**settings)
+
+
+def test_grpo_rollout_logprobs_are_the_training_forwards_and_depend_on_the_image(tmp_path):
+    from hf_verl import GRPOTrainer
+    from hf_verl.data.vision import VISION_INPUTS, tokenize_vision_prompts
+    from hf_verl.engine.step import LogProbs
+
+    model, processor = build_gemma3()
+    data = _dataset(column="images")
+    trainer = GRPOTrainer(model=model, reward_funcs=_length_reward, args=_grpo_args(tmp_path), train_dataset=data,
+                          processing_class=processor)
+    rows = [data[0]] * 2 + [data[1]] * 2
+    batch = trainer._collect(rows, trainer.engine).batch
+    assert len(batch.meta[VISION_INPUTS]) == 4 and "pixel_values" in batch.meta[VISION_INPUTS][0]
+    mask = batch.completion_mask.bool()
+    assert int(mask.sum()) > 4
+    logp, _ = trainer.actor.logprobs(batch)  # the training forward, padded, with the rows' pixel inputs
+    torch.testing.assert_close(logp[mask], batch.sampling_logprobs[mask], atol=1e-5, rtol=0)
+    ref = trainer.reference.infer(batch, LogProbs())
+    torch.testing.assert_close(ref.logp[mask], logp[mask], atol=1e-5, rtol=0)  # the untrained reference
+    other = batch.select(list(range(4)))  # the same tokens, other images
+    other.meta[VISION_INPUTS] = tokenize_vision_prompts(
+        [dict(r, images=[random_image(50 + i)]) for i, r in enumerate(rows)], processor, None).vision_inputs
+    moved, _ = trainer.actor.logprobs(other)
+    assert (moved[mask] - logp[mask]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "RLOOTrainer"])
+def test_a_few_steps_train_every_parameter(tmp_path, trainer_name):
+    import hf_verl
+
+    model, processor = build_gemma3()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if trainer_name == "GRPOTrainer":
+        args = _grpo_args(tmp_path)
+    else:
+        args = hf_verl.RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                                  max_completion_length=6, max_steps=2, learning_rate=1e-2, report_to="none",
+                                  use_cpu=True, bf16=False, beta=0.1, logging_steps=1, save_strategy="no",
+                                  disable_tqdm=True, seed=3)
+    trainer = getattr(hf_verl, trainer_name)(model=model, reward_funcs=_length_reward, args=args,
+                                             train_dataset=_dataset(), processing_class=processor)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert unchanged == []  # the vision tower and the projector train too
+
+
+def test_image_column_with_a_text_only_model_is_refused(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hf_verl import GRPOTrainer
+
+    _, processor = build_gemma3()
+    tok = processor.tokenizer
+    text_model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match=r"image column\(s\) \['image'\].*text-only"):
+        GRPOTrainer(model=text_model, reward_funcs=_length_reward, args=_grpo_args(tmp_path),
+                    train_dataset=_dataset(), processing_class=tok)
+
+
+def test_image_column_with_a_tokenizer_for_processor_is_refused(tmp_path):
+    from hf_verl import GRPOTrainer
+
+    model, processor = build_gemma3()
+    with pytest.raises(ValueError, match="no image processor.*AutoProcessor"):
+        GRPOTrainer(model=model, reward_funcs=_length_reward, args=_grpo_args(tmp_path), train_dataset=_dataset(),
+                    processing_class=processor.tokenizer)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(sequence_parallel_size=2), "sequence_parallel_size=1"),
+    (dict(use_vllm=True), "use_vllm=False"),
+    (dict(stop=["!"]), "stop=None"),
+])
+def test_settings_a_run_on_images_cannot_take_are_refused(tmp_path, overrides, match):
+    from hf_verl.trainers.vision_checks import refuse_vision_settings
+
+    class Dims:
+        sp = overrides.pop("sequence_parallel_size", 1)
+
+    args = _grpo_args(tmp_path, **overrides)
+    with pytest.raises(ValueError, match=match):
+        refuse_vision_settings("GRPOTrainer", args, None, Dims())
+
+
+def test_trl_image_formats_become_image_parts_of_the_first_user_turn():
+    from hf_verl.data.vision import prepare_multimodal_messages, row_images
+
+    image = random_image(0)
+    assert row_images({"image": image}) == [image] and row_images({"images": []}) is None
+    prompt = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what?"}]
+    out = prepare_multimodal_messages(prompt, [image])
+    assert out[0]["content"] == [{"type": "text", "text": "be brief"}]
+    assert out[1]["content"] == [{"type": "image", "image": image}, {"type": "text", "text": "what?"}]
+    placed = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}]}]
+    assert prepare_multimodal_messages(placed, [image])[0]["content"][1] == {"type": "image", "image": image}
+    with pytest.raises(ValueError, match="no place"):
+        prepare_multimodal_messages(placed, [image, image])
+
+
+def test_per_token_fields_sit_under_the_left_padded_prompt():
+    from hf_verl.data.vision import collate_vision_inputs
+
+    rows = [{"pixel_values": torch.ones(1, 3, 2, 2), "token_type_ids": torch.tensor([0, 1, 1])},
+            {"pixel_values": torch.zeros(1, 3, 2, 2), "token_type_ids": torch.tensor([1, 0])}]
+    out = collate_vision_inputs(rows, prompt_width=4, width=6, device="cpu")
+    assert out["pixel_values"].shape == (2, 3, 2, 2)
+    assert out["token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0]]

@@ -1,0 +1,81 @@
+"""Tiny vision-language models and their processors, built in code (no Hub): a character-level tokenizer with the
+family's image tokens and a chat template that renders image parts, the family's PIL image processor at a small
+image size, and a 2-layer text model beside a 2-layer vision tower.
+
+Qwen2-VL / Qwen2.5-VL are not built here: their processors always build a video processor, which needs
+torchvision, and this environment has none that imports beside the pinned CPU torch (see docs/vlm.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+SPECIALS = ["<pad>", "<eos>", "<user>", "<assistant>", "<system>"]
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,?!:=+-\n")
+
+# a chat template whose messages hold either a string or a list of {"type": "text" | "image"} parts (TRL's
+# conversational VLM format); `image` renders the family's image placeholder
+VLM_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def build_vlm_tokenizer(image_tokens: dict[str, str]):
+    """A character-level tokenizer whose vocabulary also holds `image_tokens` (attribute name -> token text,
+    e.g. `{"boi_token": "<start_of_image>"}`), each exposed as `tokenizer.<name>` / `<name>_id`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    extra = list(dict.fromkeys(image_tokens.values()))
+    vocab = {t: i for i, t in enumerate(SPECIALS + extra + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                   extra_special_tokens=dict(image_tokens))
+    fast.add_special_tokens({"additional_special_tokens": SPECIALS[2:] + extra})
+    return fast
+
+
+def random_image(seed: int, size: int = 32):
+    """A reproducible RGB PIL image of noise."""
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(size, size, 3) * 255).astype("uint8"))
+
+
+def build_gemma3(seed: int = 0):
+    """A tiny Gemma 3 (text hidden 64, SigLIP tower at 28x28 pixels, 4 image tokens) and its `Gemma3Processor`."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil,
+    )
+
+    tok = build_vlm_tokenizer({"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                               "eoi_token": "<end_of_image>"})
+    image_processor = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=4,
+                                chat_template=VLM_TEMPLATE.replace("IMAGE", "<start_of_image>"))
+    config = Gemma3Config(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=28, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=4, boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    # transformers initialises the image projection to zeros (a fresh model's text would not see the image)
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, processor
