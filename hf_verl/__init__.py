@@ -19,6 +19,8 @@ _notices.install()  # exact third-party notices that ask nothing of a user (see 
 _LAZY: dict[str, str] = {
     "DPOConfig": "hf_verl.trainers.dpo_config",
     "DPOTrainer": "hf_verl.trainers.dpo_trainer",
+    "GKDConfig": "hf_verl.trainers.gkd_config",
+    "GKDTrainer": "hf_verl.trainers.gkd_trainer",
     "GRPOConfig": "hf_verl.trainers.grpo_config",
     "GRPOTrainer": "hf_verl.trainers.grpo_trainer",
     "PPOConfig": "hf_verl.trainers.ppo_config",
@@ -46,6 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from hf_verl.rollout.hf_engine import TransformersEngine
     from hf_verl.trainers.dpo_config import DPOConfig
     from hf_verl.trainers.dpo_trainer import DPOTrainer
+    from hf_verl.trainers.gkd_config import GKDConfig
+    from hf_verl.trainers.gkd_trainer import GKDTrainer
     from hf_verl.trainers.grpo_config import GRPOConfig
     from hf_verl.trainers.grpo_trainer import GRPOTrainer
     from hf_verl.trainers.ppo_config import PPOConfig

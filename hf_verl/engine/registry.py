@@ -24,7 +24,7 @@ from hf_verl.parallel.dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("actor", "critic", "reference", "reward")
+ROLES = ("actor", "critic", "reference", "reward", "teacher")
 
 # engine name -> factory(model, *, role, layout, **options) -> TrainingEngine
 ENGINES: dict[str, Callable[..., TrainingEngine]] = {}

@@ -10,6 +10,7 @@
   (:class:`~hf_verl.engine.remote_reference.RemoteReference`; then no reference model is given, and the served
   model's tokenizer when it is not the actor's);
 - `"critic"`: the same choices (e.g. an FSDP2 critic beside a DDP actor);
+- `"teacher"` (distillation, GKDTrainer only): the reference's choices, a backend or a server URL;
 - `"generator"`: `"colocated"` (default: a rollout engine on the actor's weights) or the URL of any
   `/v1/completions` server (`hf-verl serve`, `vllm serve`): a :class:`~hf_verl.rollout.remote.RemoteEngine`,
   whose weight updates carry the `HF_VERL_SERVE_TOKEN` token; or a list of `hf-verl serve` URLs: a
@@ -62,6 +63,8 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool 
         ValueError: naming the role and what to change.
     """
     out = {"reference": COLOCATED, "critic": COLOCATED, "generator": COLOCATED}
+    if "teacher" in roles:  # distillation's teacher: placed as a reference is (a backend, or a server URL)
+        out["teacher"] = COLOCATED
     if placement is not None and not isinstance(placement, Mapping):
         raise ValueError(f"{owner} must be a dict {{role: choice}}, got {type(placement).__name__}.")
     for role, choice in dict(placement or {}).items():
@@ -86,19 +89,19 @@ def check_placement(placement: Mapping[str, Any] | None, *, has_reference: bool 
             if choice != COLOCATED and not is_url(choice):
                 raise ValueError(f"{owner}['generator'] = {choice!r}: use 'colocated' or the URL of a "
                                  "/v1/completions server, e.g. 'http://127.0.0.1:8000' (or a list of them).")
-        elif role == "reference" and is_url(choice):
-            if has_reference is True:
+        elif role in ("reference", "teacher") and is_url(choice):
+            if role == "reference" and has_reference is True:
                 raise ValueError(f"{owner}['reference'] = {choice!r} is a server, so the reference is the model it "
                                  f"serves: drop {arguments['reference']} (and pass the served model's tokenizer if "
                                  "it is not the actor's).")
         else:
-            given = has_reference if role == "reference" else has_critic
+            given = has_critic if role == "critic" else has_reference if role == "reference" else None
             if given is False:
                 raise ValueError(f"{owner}[{role!r}] = {choice!r} but no {role} model was given: pass "
                                  f"{arguments[role]}, or drop {role!r} from placement.")
             if choice != COLOCATED:
                 if choice not in BACKENDS and choice != "megatron":
-                    url = " or a server URL (http://host:port/v1)" if role == "reference" else ""
+                    url = " or a server URL (http://host:port/v1)" if role in ("reference", "teacher") else ""
                     raise ValueError(f"{owner}[{role!r}] = {choice!r}: choose 'colocated'{url} or one of "
                                      f"{sorted(BACKENDS) + ['megatron']}.")
                 if choice == "megatron":

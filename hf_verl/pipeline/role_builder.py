@@ -69,17 +69,18 @@ class RoleBuilder:
         return make_engine(model, role, self.layout(role), accelerator=self.accelerator, trainable=trainable,
                            **options)
 
-    def reference(self, model: Any = None, *, trainable: bool = False):
+    def reference(self, model: Any = None, *, trainable: bool = False, role: str = "reference"):
         """The reference: a served one when placed behind a URL (:class:`RemoteReference`), else an engine over
-        `model`, else None (the actor with its adapters off)."""
-        url = self.remote_url("reference")
+        `model`, else None (the actor with its adapters off). `role="teacher"`: distillation's teacher, placed and
+        built the same way."""
+        url = self.remote_url(role)
         if url is not None:
             from hf_verl.engine.remote_reference import RemoteReference
 
-            return RemoteReference(url)
+            return RemoteReference(url, role=role)
         if model is None:
             return None
-        return self.engine(model, "reference", trainable=trainable)
+        return self.engine(model, role, trainable=trainable)
 
     def reference_model(self, actor_model: Any, *, bf16: bool = False, fp16: bool = False) -> Any:
         """A frozen copy of the actor to serve as the reference, made before the actor is laid out: loaded sharded
