@@ -312,10 +312,11 @@ def test_default_collator_is_picklable(tmp_path):
     assert torch.equal(collator(rows)["input_ids"], trainer.data_collator(rows)["input_ids"])
 
 
-def test_vision_dataset_is_refused(tmp_path):
+def test_vision_dataset_with_a_text_only_model_is_refused(tmp_path):
+    """Image columns train vision-language models (tests/test_vlm.py); with a text-only model they are refused."""
     tok = build_char_tokenizer()
     rows = _data(1).add_column("images", [[]] * 3)
-    with pytest.raises(ValueError, match="vision-related.*vision-language model"):
+    with pytest.raises(ValueError, match=r"image column\(s\) \['images'\].*text-only"):
         DPOTrainer(model=_model(tok), args=_args(tmp_path), train_dataset=rows, processing_class=tok)
 
 

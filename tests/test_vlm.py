@@ -181,3 +181,71 @@ def test_ddp_on_two_processes_equals_one_process(tmp_path):
 def _initial_state():
     model, _ = build_gemma3()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _pairs(n: int = 4) -> Dataset:
+    rows = []
+    for i in range(n):
+        rows.append({"prompt": [{"role": "user", "content": f"what is {'abcdefgh'[i]}?"}],
+                     "chosen": [{"role": "assistant", "content": "a cat"}],
+                     "rejected": [{"role": "assistant", "content": "no idea"}], "images": [random_image(i)]})
+    return Dataset.from_list(rows)
+
+
+def _dpo_args(tmp_path, **overrides):
+    from hf_verl import DPOConfig
+
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-2,
+                    report_to="none", use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                    gradient_checkpointing=False, max_length=64, seed=3)
+    settings.update(overrides)
+    return DPOConfig(**settings)
+
+
+def test_dpo_on_image_pairs_trains_and_its_logprobs_depend_on_the_image(tmp_path):
+    from hf_verl import DPOTrainer
+    from hf_verl.data.vision import VISION_INPUTS, tokenize_vision_prompts
+
+    model, processor = build_gemma3()
+    data = _pairs()
+    trainer = DPOTrainer(model=model, args=_dpo_args(tmp_path), train_dataset=data, processing_class=processor)
+    batch = trainer._collate([trainer.train_dataset[i] for i in range(2)])
+    assert len(batch[VISION_INPUTS]) == 4  # chosen rows, then rejected rows
+    logps = trainer._sequence_logps(trainer.actor, batch)[0]
+    # the chosen answer's summed log-prob by hand: one forward of the model on the first chosen row alone
+    row = batch["attention_mask"][0].bool()
+    ids = batch["input_ids"][0][row][None]
+    inputs = {k: v[:1] if k != "token_type_ids" else v for k, v in batch[VISION_INPUTS][0].items()}
+    inputs["token_type_ids"] = torch.nn.functional.pad(inputs["token_type_ids"], (0, ids.shape[1] - len(
+        inputs["token_type_ids"])))[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids, **inputs).logits[0, :-1].float()
+    comp = batch["completion_mask"][0][row][1:].bool()
+    by_hand = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0][comp].sum()
+    torch.testing.assert_close(logps[0].detach(), by_hand, atol=1e-5, rtol=0)
+    other = dict(batch)
+    swapped = tokenize_vision_prompts([dict(trainer.train_dataset[i], images=[random_image(60 + i)])
+                                       for i in range(2)], processor, None).vision_inputs
+    other[VISION_INPUTS] = swapped + swapped
+    assert (trainer._sequence_logps(trainer.actor, other)[0] - logps).abs().max() > 1e-3
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and logs[-1]["loss"] < logs[0]["loss"]  # the preference is learned
+    assert [n for n, p in model.named_parameters() if torch.equal(p, before[n])] == []
+
+
+def test_dpo_refuses_images_with_a_text_only_model_and_padding_free(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hf_verl import DPOTrainer
+
+    model, processor = build_gemma3()
+    with pytest.raises(ValueError, match="padding_free=False"):
+        DPOTrainer(model=model, args=_dpo_args(tmp_path, padding_free=True), train_dataset=_pairs(),
+                   processing_class=processor)
+    tok = processor.tokenizer
+    text_model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match="text-only"):
+        DPOTrainer(model=text_model, args=_dpo_args(tmp_path), train_dataset=_pairs(), processing_class=tok)

@@ -159,9 +159,10 @@ def tokenize_vision_prompts(rows: Sequence[Mapping], processor: Any, max_prompt_
 
 
 def collate_vision_inputs(inputs: Sequence[Mapping[str, torch.Tensor]], *, prompt_width: int, width: int,
-                          device: torch.device | str) -> dict[str, torch.Tensor]:
+                          device: torch.device | str, right_padded: bool = False) -> dict[str, torch.Tensor]:
     """The model's keyword inputs for rows laid out as a left-padded prompt of `prompt_width` (each row's prompt
-    ending at `prompt_width`) followed by `width - prompt_width` completion positions.
+    ending at `prompt_width`) followed by `width - prompt_width` completion positions; with `right_padded`, rows of
+    `width` positions that each start with their prompt (DPO's pair rows).
 
     Raises:
         ValueError: rows whose pixel inputs name different fields (a batch mixes rows with and without images).
@@ -176,8 +177,70 @@ def collate_vision_inputs(inputs: Sequence[Mapping[str, torch.Tensor]], *, promp
             laid = torch.zeros((len(inputs), width), dtype=inputs[0][key].dtype)
             for i, x in enumerate(inputs):
                 n = x[key].shape[0]
-                laid[i, prompt_width - n : prompt_width] = x[key]
+                start = 0 if right_padded else prompt_width - n
+                laid[i, start : start + n] = x[key]
             out[key] = laid.to(device)
         else:
             out[key] = torch.cat([x[key] for x in inputs]).to(device)
     return out
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_vision_pair(row: Mapping, processor: Any, max_length: int | None, index: int = 0) -> dict:
+    """DPO's token columns of a preference row with images: the prompt rendered with its images by `processor`
+    (image tokens expanded), and the chosen / rejected answers as the tokens after it in prompt + answer
+    (conversational rows: TRL's VLM format). `max_length` cuts the answers' ends (keep_start); a prompt is never cut.
+
+    Raises:
+        ValueError: a row that is not conversational, or whose prompt alone reaches `max_length`.
+    """
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if not (is_conversational(prompt) and is_conversational(chosen) and is_conversational(rejected)):
+        raise ValueError(f"row {index}: preference pairs with images need conversational prompt, chosen and "
+                         "rejected columns (lists of {'role', 'content'} messages), as in TRL.")
+    messages = prepare_multimodal_messages(prompt, row_images(row))
+
+    def ids(conversation, generation_prompt):
+        out = processor.apply_chat_template([conversation], add_generation_prompt=generation_prompt, tokenize=True,
+                                            return_dict=True, return_tensors="pt")
+        return [int(t) for t in out["input_ids"][0]]
+
+    p = ids(messages, True)
+    pc = ids(messages + prepare_multimodal_messages(chosen, None), False)
+    pr = ids(messages + prepare_multimodal_messages(rejected, None), False)
+    n = min(_common_prefix(p, pc), _common_prefix(p, pr))
+    chosen_ids, rejected_ids, truncated = pc[n:], pr[n:], False
+    if max_length is not None and n + max(len(chosen_ids), len(rejected_ids)) > max_length:
+        room = max_length - n
+        if room <= 0:
+            raise ValueError(f"row {index}: its prompt has {n} tokens with its image tokens, max_length={max_length}: "
+                             "raise max_length (a prompt with images is not cut).")
+        chosen_ids, rejected_ids, truncated = chosen_ids[:room], rejected_ids[:room], True
+    return {"prompt_ids": p[:n], "chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "truncated": truncated,
+            "identical": chosen_ids == rejected_ids}
+
+
+@dataclass
+class VisionPreferenceCollator:
+    """DPO's pair batches (:class:`~hf_verl.data.preference.PreferenceCollator`, padded) with each sequence's pixel
+    inputs under `VISION_INPUTS` (chosen rows, then rejected rows: a pair's two sequences share its images)."""
+
+    processor: Any
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, rows: Sequence[dict]) -> dict:
+        from hf_verl.data.preference import PreferenceCollator
+
+        batch = PreferenceCollator(self.pad_token_id, False, self.pad_to_multiple_of)(rows)
+        inputs = tokenize_vision_prompts(rows, self.processor, None).vision_inputs
+        batch[VISION_INPUTS] = inputs + inputs
+        return batch

@@ -9,6 +9,7 @@ import functools
 import logging
 
 from hf_verl.data.preference import tokenize_pair
+from hf_verl.data.vision import tokenize_vision_pair
 from hf_verl.trainers.dpo_config import DPOConfig
 from hf_verl.trainers.preference_data import (
     PreferenceData,
@@ -29,6 +30,10 @@ def _tokenize_row(row: dict, index: int, *, tokenizer, max_length: int | None, t
             "truncated": pair.truncated, "identical": pair.identical}
 
 
+def _tokenize_vision_row(row: dict, index: int, *, processor, max_length: int | None) -> dict:
+    return tokenize_vision_pair(row, processor, max_length, index=index)
+
+
 class DPOData(PreferenceData):
     """Tokenising and checking DPO's datasets (see the module docstring)."""
 
@@ -43,6 +48,8 @@ class DPOData(PreferenceData):
             )
 
     def _row_tokenizer(self, tokenizer, args: DPOConfig):
+        if getattr(self, "_processor", None) is not None:  # pairs with images: tokenised with them by the processor
+            return functools.partial(_tokenize_vision_row, processor=self._processor, max_length=args.max_length)
         return functools.partial(_tokenize_row, tokenizer=tokenizer, max_length=args.max_length,
                                  truncation_mode=args.truncation_mode)
 

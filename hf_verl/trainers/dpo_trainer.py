@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, Trainer
+from transformers import AutoProcessor, AutoTokenizer, Trainer
 
 from hf_verl.algorithms.dpo_losses import (
     combined_dpo_loss,
@@ -36,6 +36,13 @@ from hf_verl.data.preference import (
     PreferenceCollator,
 )
 from hf_verl.data.prompts import ensure_pad_token
+from hf_verl.data.vision import (
+    VISION_INPUTS,
+    VisionPreferenceCollator,
+    check_vision_setup,
+    is_vision_model,
+    text_tokenizer,
+)
 from hf_verl.engine.base import TrainingEngine
 from hf_verl.engine.model_options import disable_dropout, router_aux_loss
 from hf_verl.engine.step import ForwardRequest, TokenQuery
@@ -43,6 +50,7 @@ from hf_verl.parallel import comm
 from hf_verl.parallel.sharded_load import loaded_sharded, state_sums
 from hf_verl.trainers.dpo_config import DPOConfig
 from hf_verl.trainers.dpo_data import DPOData, preference_accuracy  # noqa: F401 (TRL's compute_metrics)
+from hf_verl.trainers.dpo_vision import refuse_vision_pairs, vision_sequence_logps
 from hf_verl.trainers.engine_glue import (
     EngineTrainerMixin,
     launch_layout,
@@ -172,7 +180,6 @@ class DPOTrainer(DPOData, EngineTrainerMixin, Trainer):
         if ref_model is not None and ref_model is model and not isinstance(model, str):  # one id may name both
             raise ValueError("`model` and `ref_model` must be different objects; pass ref_model=None for a frozen "
                              "copy (or, with peft, the model with adapters disabled).")
-        self._check_vision(train_dataset, eval_dataset)
         # by id: TRL's defaults (float32 unless model_init_kwargs names a dtype), quantized with quantization_config
         load_kwargs = merge_quantization_config(model, args.model_init_kwargs, quantization_config,
                                                 refuse_model_object=True)
@@ -184,16 +191,21 @@ class DPOTrainer(DPOData, EngineTrainerMixin, Trainer):
             model = load(model, load_kwargs, trust_remote_code=args.trust_remote_code)
         if isinstance(ref_model, str):
             ref_model = load(ref_model, load_kwargs, trust_remote_code=args.trust_remote_code)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
-                                                             trust_remote_code=args.trust_remote_code)
+        if processing_class is None:  # a vision-language model's processor, as TRL loads it
+            auto = AutoProcessor if is_vision_model(model) else AutoTokenizer
+            processing_class = auto.from_pretrained(model.config._name_or_path, trust_remote_code=args.trust_remote_code)
+        evals = list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+        # pairs with images: tokenised by the processor, their pixel inputs in every batch (data/vision.py)
+        self._processor = processing_class if check_vision_setup(model, processing_class, [train_dataset, *evals],
+                                                                 trainer="DPOTrainer") else None
+        tokenizer = text_tokenizer(processing_class)
         if args.pad_token is not None:
-            if args.pad_token not in processing_class.get_vocab():
+            if args.pad_token not in tokenizer.get_vocab():
                 raise ValueError(f"pad_token {args.pad_token!r} is not in the tokenizer's vocabulary; pick a token it "
                                  "has (e.g. its eos_token) or leave pad_token unset.")
-            processing_class.pad_token = args.pad_token
-            model.config.pad_token_id = processing_class.pad_token_id
-        ensure_pad_token(processing_class)
+            tokenizer.pad_token = args.pad_token
+            model.config.pad_token_id = tokenizer.pad_token_id
+        ensure_pad_token(tokenizer)
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -235,14 +247,18 @@ class DPOTrainer(DPOData, EngineTrainerMixin, Trainer):
         if args.sync_ref_model and backend.kind == "deepspeed" and backend.zero_stage == 3:
             raise ValueError("sync_ref_model (TR-DPO) mixes policy weights into the reference, which ZeRO-3 keeps "
                              "partitioned in separate engines: use ZeRO-1/2, DDP or FSDP2, or sync_ref_model=False.")
+        if self._processor is not None:
+            refuse_vision_pairs(args, backend, dims)
         self._ref_digest = _weights_digest(ref_model if ref_model is not None else model)
-        self.tokenizer_ = processing_class
+        self.tokenizer_ = tokenizer
         self.router_aux_loss_coef, self.aux_loss_enabled = router_aux_loss(model, args.router_aux_loss_coef)
         self._data_stats: dict[str, float] = {}
-        train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
-        eval_dataset = self._prepare_eval_dataset(eval_dataset, processing_class, args)
-        super().__init__(model=model, args=args, data_collator=data_collator or PreferenceCollator(
-                             processing_class.pad_token_id, args.padding_free, args.pad_to_multiple_of),
+        train_dataset = self._prepare_dataset(train_dataset, tokenizer, args, "train")
+        eval_dataset = self._prepare_eval_dataset(eval_dataset, tokenizer, args)
+        collator = (VisionPreferenceCollator(self._processor, tokenizer.pad_token_id, args.pad_to_multiple_of)
+                    if self._processor is not None else
+                    PreferenceCollator(tokenizer.pad_token_id, args.padding_free, args.pad_to_multiple_of))
+        super().__init__(model=model, args=args, data_collator=data_collator or collator,
                          train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         if self.ref_model is not None and not loaded_sharded(self.ref_model):
@@ -263,6 +279,9 @@ class DPOTrainer(DPOData, EngineTrainerMixin, Trainer):
     # ------------------------------------------------------------------ data
     def _collate(self, rows: list[dict]) -> dict:
         """The default collator (also when a custom `data_collator` is given: the reference pass uses this one)."""
+        if self._processor is not None:
+            return VisionPreferenceCollator(self._processor, self.tokenizer_.pad_token_id,
+                                            self.args.pad_to_multiple_of)(rows)
         return PreferenceCollator(self.tokenizer_.pad_token_id, self.args.padding_free,
                                   self.args.pad_to_multiple_of)(rows)
 
@@ -300,6 +319,8 @@ class DPOTrainer(DPOData, EngineTrainerMixin, Trainer):
         """Summed completion log-probs (LD-DPO-weighted with `ld_alpha`), mean completion logits and token counts
         per sequence `(2B,)`; with `with_aux_loss` also the router load-balancing loss of the forward, with
         `with_wpo` also the WPO pair weights `(B,)` (appended in that order)."""
+        if VISION_INPUTS in batch:  # pairs with images: padded, with their pixel inputs
+            return vision_sequence_logps(self, engine, batch, with_aux_loss=with_aux_loss, with_wpo=with_wpo)
         if engine.dims.sp > 1:
             return self._sequence_parallel_logps(engine, batch)
         query = self._pair_query(engine, batch, with_aux_loss=with_aux_loss, with_wpo=with_wpo)
