@@ -255,6 +255,12 @@ SETTINGS: dict[str, Setting] = {
                                         "the importance weights correct each token, and a token older than "
                                         "max_staleness is masked out of the loss (docs/rollout.md). The transformers "
                                         "rollout engine only."),
+    "async_rollout_depth": Setting(1, (int,), lambda v: v >= 1, "an int >= 1",
+                                   "With use_async_rollout: rounds generated ahead in the background. Above 1 they "
+                                   "decode in one shared loop (continuous batching on the transformers engine's "
+                                   "copy of the actor), so the long tail of one round runs in the same forwards as "
+                                   "the next rounds' (partial rollouts); needs in_flight_weight_updates=True and "
+                                   "max_staleness >= async_rollout_depth (docs/rollout.md)."),
     "router_replay": Setting(False, (bool,), lambda v: True, "True or False",
                              "Rollout routing replay for a Mixture-of-Experts actor: the rollout engine records the "
                              "experts each token was routed to, and the actor's training forwards route every token "

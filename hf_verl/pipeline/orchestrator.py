@@ -7,8 +7,9 @@ front-ends.
 
 - the weight sync of the rollout engine (lazily, before the engine generates for a newer policy; `after_step`
   for a front-end that syncs as soon as the actor steps; deferred while a background generation runs on it),
-- asynchronous rollout (`use_async_rollout`): one prefetched round per *source* of rounds, generated on the
-  background worker of :class:`~hf_verl.pipeline.prefetch.RolloutPrefetcher` (on a copy of the actor when the
+- asynchronous rollout (`use_async_rollout`): one prefetched round per *source* of rounds (`async_rollout_depth`
+  of them with in-flight weight updates, decoded together by continuous batching: partial rollouts), generated on
+  the background workers of :class:`~hf_verl.pipeline.prefetch.RolloutPrefetcher` (on a copy of the actor when the
   engine shares the actor's weights), dropped when a generation setting changed since it started or when it no
   longer matches the rows it stands for, refused when staler than `max_staleness`,
 - the round index of per-row sampling seeds,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -132,7 +134,8 @@ class RoundOrchestrator:
         thread_name (`str`): the background worker's thread name.
 
     Attributes:
-        pending (`dict`): the prefetch ([`Pending`]) of each source, by the source's key.
+        pending (`dict`): the prefetch ([`Pending`]) of each source's next round, by the source's key.
+        queued (`dict`): the prefetches of each source's rounds after that (`async_rollout_depth > 1`), oldest first.
         prefetcher ([`RolloutPrefetcher`]): the background worker and the actor copy it generates with.
         engine_step (`int`): the optimizer step whose weights the rollout engine holds (`None` before the first
             sync).
@@ -141,6 +144,7 @@ class RoundOrchestrator:
     def __init__(self, host: RoundHost, thread_name: str = "hf_verl-rollout") -> None:
         self._host = host
         self.pending: dict[Hashable, Pending] = {}
+        self.queued: dict[Hashable, deque[Pending]] = {}
         self.prefetcher = RolloutPrefetcher(thread_name)
         self.engine_step: int | None = None  # None: an engine with its own weights is synced before it first generates
         self._rounds = 0  # rounds generated without an explicit index: the row seeds' round index
@@ -211,10 +215,13 @@ class RoundOrchestrator:
             seconds = sync_weights(actor, engine)
             self.engine_step = step
         self._record_version(engine)
-        for pending in self.pending.values():
+        for pending in self._all_pending():
             if not pending.future.done():
                 pending.pushes += 1
         return seconds
+
+    def _all_pending(self) -> list[Pending]:
+        return list(self.pending.values()) + [p for q in self.queued.values() for p in q]
 
     def _record_version(self, engine: RolloutEngine) -> None:
         self._versions.setdefault(id(engine), {})[engine.weight_version] = self._host.version()
@@ -256,6 +263,24 @@ class RoundOrchestrator:
         return self.engine_step != self._host.global_step()
 
     # ------------------------------------------------------------------ rounds
+    def depth(self) -> int:
+        """Rounds of a source generated ahead (`async_rollout_depth`, 1 by default).
+
+        Raises:
+            ValueError: a depth above 1 without in-flight weight updates, or above `max_staleness`.
+        """
+        cfg = self._host.settings
+        depth = int(getattr(cfg, "async_rollout_depth", 1) or 1)
+        if depth > 1:
+            if not getattr(cfg, "in_flight_weight_updates", False):
+                raise ValueError(f"async_rollout_depth={depth} generates rounds ahead that must take each new policy "
+                                 "while they decode: set in_flight_weight_updates=True (or async_rollout_depth=1).")
+            if cfg.max_staleness < depth:
+                raise ValueError(f"async_rollout_depth={depth} starts a round {depth} policy versions before it "
+                                 f"trains, so its first tokens are {depth} versions old: set max_staleness >= {depth} "
+                                 f"(it is {cfg.max_staleness}) or lower async_rollout_depth.")
+        return depth
+
     def prefetching(self) -> bool:
         """Whether rounds are prefetched (`use_async_rollout` with `max_staleness > 0`)."""
         cfg = self._host.settings
@@ -265,7 +290,8 @@ class RoundOrchestrator:
         return bool(cfg.use_async_rollout) and cfg.max_staleness > 0
 
     def serve(self, key: Hashable, current: Callable[[], Any], upcoming: Callable[[], Any] | None = None, *,
-              index: int | None = None, matches: Callable[[Any], bool] | None = None) -> Round | None:
+              index: int | None = None, matches: Callable[[Any], bool] | None = None,
+              ahead: Callable[[int], Any] | None = None) -> Round | None:
         """The next round of source `key`, and the start of the source's next prefetch.
 
         Args:
@@ -278,6 +304,9 @@ class RoundOrchestrator:
                 default the count of rounds generated so far.
             matches (`Callable[[Any], bool]`, *optional*): whether a prefetched item is this round's; a mismatch
                 generates `current()` now.
+            ahead (`Callable[[int], Any]`, *optional*): the item (or [`END`]) of the round of a given index, for
+                rounds prefetched further ahead (`async_rollout_depth > 1`, with `index`); without it, further rounds
+                are drawn from `upcoming` one after the other.
 
         Returns:
             [`Round`] or `None` when the source has no further item. No trained role has seen it yet.
@@ -296,6 +325,7 @@ class RoundOrchestrator:
             if matches is not None and not matches(pending.item):
                 logger.warning("the prefetched rollout does not match this round's rows; rolling them out synchronously")
                 served = None
+                self.queued.pop(key, None)  # the rounds after it were drawn from the same wrong place
             else:
                 item = pending.item
                 if not self.prefetching() or pending.settings != self._settings() or \
@@ -303,6 +333,7 @@ class RoundOrchestrator:
                     logger.info("dropping the prefetched rollout (async rollout or a generation setting changed "
                                 "since it started); generating its %d rows again now", len(served.collected.rows))
                     served = None
+                    self.queued.pop(key, None)
                 elif self.in_flight() and served.collected.batch.token_weight_version is not None:
                     if not self._token_versions(served, pending.pushes):
                         self.pending[key] = pending
@@ -316,9 +347,8 @@ class RoundOrchestrator:
                 return None
             served = self.generate_now(item, index=index if index is not None else pending.index
                                        if pending is not None else None)
-        if self.prefetching() and (nxt := (upcoming or current)()) is not END:
-            nxt_index = None if index is None else index + 1
-            self.pending[key] = self._submit(nxt, nxt_index)
+        if self.prefetching():
+            self._top_up(key, upcoming or current, ahead, index)
         served.timings["rollout_wait"] = wait_s
         served.staleness = h.version() - served.weights_version
         return served
@@ -338,14 +368,35 @@ class RoundOrchestrator:
             out.timings["weight_sync"] = sync_s
         return out
 
+    def _top_up(self, key: Hashable, upcoming: Callable[[], Any], ahead: Callable[[int], Any] | None,
+                index: int | None) -> None:
+        """Keep `depth()` rounds of source `key` prefetched: the queued next one becomes pending, then new ones start
+        (round `index + 1`, `index + 2`, ... when the rounds are indexed)."""
+        depth, queue = self.depth(), self.queued.setdefault(key, deque())
+        if key not in self.pending and queue:
+            self.pending[key] = queue.popleft()
+        while (key in self.pending) + len(queue) < depth:
+            last = queue[-1] if queue else self.pending.get(key)
+            nxt_index = None if index is None else (last.index if last is not None else index) + 1
+            nxt = ahead(nxt_index) if ahead is not None and nxt_index is not None and last is not None else upcoming()
+            if nxt is END:
+                break
+            submitted = self._submit(nxt, nxt_index, depth)
+            if key in self.pending:
+                queue.append(submitted)
+            else:
+                self.pending[key] = submitted
+
     def drop(self, key: Hashable) -> None:
-        """Forget source `key`'s prefetch (its generation, if running, just ends)."""
+        """Forget source `key`'s prefetches (their generations, if running, just end)."""
         self.pending.pop(key, None)
+        self.queued.pop(key, None)
 
     def close(self) -> None:
         """Drop every prefetch and stop the worker (a generation in flight finishes first), freeing the actor
         copy; the next prefetch starts a new worker."""
         self.pending.clear()
+        self.queued.clear()
         self.prefetcher.close()
 
     # ------------------------------------------------------------------ internals
@@ -368,8 +419,9 @@ class RoundOrchestrator:
                 f"mini-batches?): set config.max_staleness >= {lag}, or config.use_async_rollout = False for "
                 "on-policy rollouts; the next rollout then uses (or regenerates) the same prompts.")
 
-    def _submit(self, item: Any, index: int | None) -> Pending:
-        """Start generating `item` in the background (rows made and prepared here, on the main thread)."""
+    def _submit(self, item: Any, index: int | None, depth: int = 1) -> Pending:
+        """Start generating `item` in the background (rows made and prepared here, on the main thread); with
+        `depth > 1`, beside the generations in flight, on an engine that decodes them together."""
         h, prefetcher = self._host, self.prefetcher
         h.check_prefetch()
         rows = h.rows(item)
@@ -379,8 +431,11 @@ class RoundOrchestrator:
         if engine is prefetcher.copy_engine:
             sync_s, version = prefetcher.sync_copy(actor, step), h.engine().weight_version
         else:
-            prefetcher.wait_idle()
+            if not self.in_flight():  # in flight, the engine takes new weights while it generates
+                prefetcher.wait_idle()
             sync_s, version = self.sync_engine(), None
+        if depth > 1 and not getattr(engine, "continuous_batching", True):
+            engine.enable_continuous_batching()  # the rounds in flight share its decode steps
         if self.in_flight():
             if not engine.supports_in_flight_updates:
                 raise ValueError(f"in_flight_weight_updates=True needs a rollout engine that takes weights while it "
@@ -394,7 +449,7 @@ class RoundOrchestrator:
         seeds = self._row_seeds(index, len(rows))
         future = prefetcher.submit(engine, self._collect_in_background, rows, prepared, engine, seeds, version,
                                    Round(None, h.version(), step, off_policy, prefetched=True,
-                                         engine_key=id(engine)), sync_s)
+                                         engine_key=id(engine)), sync_s, depth=depth)
         return Pending(item, index, self._settings(), future)
 
     def _take_index(self) -> int:

@@ -11,7 +11,8 @@ generation, never while one is in flight. Engines with their own weights (a serv
 transformers engine on a replica of a sharded actor) are used as they are; the front-end defers
 their weight sync while a generation runs on them.
 
-At most one generation is in flight. What runs off the main thread is generation and reward
+At most `depth` generations are in flight (one unless `async_rollout_depth` asks for more; several run on one
+engine only when it decodes them together, continuous batching). What runs off the main thread is generation and reward
 scoring only; everything that reads a trained role (reference, critic, old log-probs, advantages)
 runs on the main thread when the rollout is handed out. Both front-ends use this class: the
 trainers (`use_async_rollout=True`) and the role facade.
@@ -61,7 +62,8 @@ class RolloutPrefetcher:
     def __init__(self, thread_name: str = "hf_verl-rollout") -> None:
         self._thread_name = thread_name
         self._executor: ThreadPoolExecutor | None = None
-        self._inflight: tuple[Future, RolloutEngine] | None = None
+        self._workers = 0
+        self._inflight: list[tuple[Future, RolloutEngine]] = []
         self.copy_engine: TransformersEngine | None = None
         self.copy_step: int | None = None  # the actor step the copy's weights are from
 
@@ -98,28 +100,36 @@ class RolloutPrefetcher:
 
     def busy(self, engine: RolloutEngine | None = None) -> bool:
         """Whether a generation is in flight (on `engine`, if given)."""
-        if self._inflight is None or self._inflight[0].done():
-            return False
-        return engine is None or self._inflight[1] is engine
+        self._inflight = [(f, e) for f, e in self._inflight if not f.done()]
+        return any(engine is None or e is engine for _, e in self._inflight)
 
     def wait_idle(self) -> None:
-        """Block until no generation is in flight (its outcome stays in its future)."""
-        if self._inflight is not None:
-            wait([self._inflight[0]])
-            self._inflight = None
+        """Block until no generation is in flight (their outcomes stay in their futures)."""
+        if self._inflight:
+            wait([f for f, _ in self._inflight])
+            self._inflight = []
 
-    def submit(self, engine: RolloutEngine, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run `fn(*args)` on the worker thread; `engine` is the engine it generates on."""
-        self.wait_idle()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
+    def submit(self, engine: RolloutEngine, fn: Callable[..., Any], *args: Any, depth: int = 1) -> Future:
+        """Run `fn(*args)` on a worker thread once fewer than `depth` generations are in flight (waiting for the
+        oldest otherwise); `engine` is the engine it generates on."""
+        self.busy()
+        while len(self._inflight) >= depth:
+            wait([self._inflight[0][0]])
+            self._inflight.pop(0)
+        if self._executor is None or self._workers < depth:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)  # its running generation finishes; the new pool takes the next
+            self._executor = ThreadPoolExecutor(max_workers=depth, thread_name_prefix=self._thread_name)
+            self._workers = depth
         future = self._executor.submit(fn, *args)
-        self._inflight = (future, engine)
+        self._inflight.append((future, engine))
         return future
 
     def close(self, wait_for_inflight: bool = True) -> None:
         """Stop the worker (a generation in flight finishes first) and free the actor copy."""
         if self._executor is not None:
             self._executor.shutdown(wait=wait_for_inflight, cancel_futures=True)
-        self._executor, self._inflight = None, None
+        self._executor, self._inflight, self._workers = None, [], 0
+        if self.copy_engine is not None and wait_for_inflight:
+            self.copy_engine.close()  # its continuous decode loop, if one runs
         self.copy_engine, self.copy_step = None, None

@@ -65,8 +65,6 @@ def _own_generate(model) -> bool:
 
 
 class TransformersEngine(RolloutEngine):
-    supports_in_flight_updates = True  # sync_weights may run while generate decodes (between two steps)
-
     """Generation with a transformers causal LM: a lean KV-cached loop, or ``model.generate``.
 
     Args:
@@ -84,11 +82,19 @@ class TransformersEngine(RolloutEngine):
             returns are scored by one teacher-forced forward (beams and processors reorder its logits).
         autocast_dtype (`torch.dtype`, *optional*): run the model's forwards under `torch.autocast` in this
             dtype (the trainer's `bf16` on fp32 parameters); sampling and log-probs stay fp32.
+        continuous_batching (`bool`, defaults to `False`): decode every call in flight in one shared loop, rows
+            joining and leaving between two steps (:mod:`hf_verl.rollout.continuous`); for an engine that only
+            generates (asynchronous rollout's copy of the actor, a server), where several calls overlap. `batch_size`
+            then caps the rows decoded together. Calls that need `generate`, stop strings, a repetition penalty or
+            routing records decode alone, one at a time.
     """
+
+    supports_in_flight_updates = True  # sync_weights may run while generate decodes (between two steps)
 
     def __init__(self, model, tokenizer, *, batch_size: int | None = None,
                  use_generate: bool = False, cache_implementation: str | None = None,
-                 generate_kwargs: dict | None = None, autocast_dtype: torch.dtype | None = None) -> None:
+                 generate_kwargs: dict | None = None, autocast_dtype: torch.dtype | None = None,
+                 continuous_batching: bool = False) -> None:
         super().__init__()
         self.autocast_dtype = autocast_dtype
         if batch_size is not None and batch_size < 1:
@@ -117,8 +123,57 @@ class TransformersEngine(RolloutEngine):
         self._weights_lock = threading.Lock()
         self._turnstile = threading.Lock()
         self._step_versions: list = []  # the policy version of the forward behind each sampled token, last chunk
+        self._call_lock = threading.Lock()  # with continuous batching, calls outside the shared loop run one at a time
+        self._decoder = None
+        self.continuous_batching = False
+        if continuous_batching:
+            self.enable_continuous_batching()
 
     # ------------------------------------------------------------------ generation
+    def enable_continuous_batching(self) -> None:
+        """Decode overlapping `generate` calls in one shared loop from now on (see the class docstring).
+
+        Raises:
+            ValueError: the model is trained (its mode and weights belong to the trainer) or its attention or cache
+                cannot be re-padded row by row.
+        """
+        from hf_verl.rollout.continuous import ContinuousDecoder, continuous_unsupported
+
+        if any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError("continuous_batching needs an engine on a model that only generates (requires_grad off: "
+                             "asynchronous rollout's copy of the actor, a server); this one is trained.")
+        reason = continuous_unsupported(self.model)
+        if reason is not None:
+            raise ValueError(f"continuous_batching is not available for {type(self.model).__name__}: {reason}.")
+        if self._decoder is None:
+            self._decoder = ContinuousDecoder(self, max_rows=self.batch_size)
+        self.continuous_batching = True
+
+    def forward_context(self):
+        """The context of this engine's forwards: autocast in `autocast_dtype` when set."""
+        return autocast(self._device(), self.autocast_dtype)
+
+    def _decodes_continuously(self, sampling: SamplingParams) -> bool:
+        return (self.continuous_batching and not (self.use_generate or sampling.stop or self.record_routing)
+                and sampling.repetition_penalty == 1.0 and not _own_generate(self.model))
+
+    def _generate_continuous(self, prompts: list[list[int]], sampling: SamplingParams, generator) -> GenerationOutput:
+        self.model.eval()  # a generation-only model (checked when continuous batching was turned on)
+        tokens, lps, versions = self._decoder.submit(prompts, sampling, generator).result()
+        done = [self._postprocess(t, lp, sampling) for t, lp in zip(tokens, lps)]  # as the plain loop's rows
+        tokens, lps, reasons = [d[0] for d in done], [d[1] for d in done], [d[2] for d in done]
+        versions = [v[: len(t)] for v, t in zip(versions, tokens)]
+        extra = {"token_versions": versions} if self.tag_token_versions else {}
+        return GenerationOutput(completion_ids=tokens, logprobs=lps, finish_reasons=reasons,
+                                weight_version=min((v[0] for v in versions if v), default=self.weight_version),
+                                extra=extra)
+
+    def close(self) -> None:
+        """Stop the continuous decode loop, if one runs (rows in flight finish first)."""
+        if self._decoder is not None:
+            self._decoder.close()
+            self._decoder = None
+            self.continuous_batching = False
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
@@ -151,6 +206,12 @@ class TransformersEngine(RolloutEngine):
                 raise NotImplementedError("per-row seeds need the lean decode loop: no stop strings, "
                                           "use_generate=False.")
             generator = [torch.Generator(self._device()).manual_seed(int(s)) for s in row_seeds]
+        if self._decodes_continuously(sampling):
+            return self._generate_continuous(prompts, sampling, generator)
+        with self._call_lock if self.continuous_batching else contextlib.nullcontext():
+            return self._generate_alone(prompts, sampling, generator)
+
+    def _generate_alone(self, prompts: list[list[int]], sampling: SamplingParams, generator) -> GenerationOutput:
         step = self.batch_size or max(len(prompts), 1)
         completions: list[list[int]] = []
         logprobs: list[list[float]] = []

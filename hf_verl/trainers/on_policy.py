@@ -239,10 +239,14 @@ class OnPolicyTrainer(RolloutEvaluation, EngineTrainerMixin, Trainer):
         a = self.args
         per_round = a.steps_per_generation * a.num_iterations
         g = self._round_index()
-        last = (g + 1) * per_round >= self.state.max_steps * a.gradient_accumulation_steps
+        total = self.state.max_steps * a.gradient_accumulation_steps  # micro-steps of the run
+
+        def round_rows(i: int):  # round i's rows, or END past the run's last round
+            return END if i * per_round >= total else self._round_rows(i)
+
         prompts = [r.get("prompt", r.get("input_ids")) for r in rows]
         served = self._rounds.serve(
-            "train", lambda: rows, (lambda: END) if last else (lambda: self._round_rows(g + 1)), index=g,
+            "train", lambda: rows, lambda: round_rows(g + 1), index=g, ahead=round_rows,
             matches=lambda item: [r.get("prompt", r.get("input_ids")) for r in item] == prompts)
         if self._rounds.prefetching():
             self._metrics["rollout/staleness"].append(float(served.staleness))

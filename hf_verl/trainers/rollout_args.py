@@ -50,6 +50,9 @@ class RolloutArguments:
     in_flight_weight_updates: bool = setting_field("in_flight_weight_updates", None, (
         "With use_async_rollout: weight updates land in the running generation between two decode steps (partial "
         "rollouts); every token carries its policy version and a token older than max_staleness is not trained."))
+    async_rollout_depth: int = setting_field("async_rollout_depth", None, (
+        "With use_async_rollout and in_flight_weight_updates: rounds generated ahead, decoded together with "
+        "continuous batching (partial rollouts; docs/rollout.md). 1: one round ahead."))
     router_replay: bool = setting_field("router_replay", None, (
         "Mixture-of-Experts actors: record the experts the rollout routed each token to and route the training "
         "forwards' tokens to them (rollout routing replay; docs/moe.md). Off by default; a dense model is refused."))
