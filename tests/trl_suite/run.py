@@ -1,14 +1,15 @@
-"""Run TRL's own GRPO / DPO / RLOO / reward-model test files against TRL and against hf_verl, with only the import
-line changed.
+"""Run TRL's own GRPO / DPO / RLOO / reward-model / GKD test files against TRL and against hf_verl, with only the
+import line changed.
 
-    .venv/bin/python tests/trl_suite/run.py --suite dpo|grpo|rloo|reward [-k EXPR] [--target both|trl|hf_verl]
+    .venv/bin/python tests/trl_suite/run.py --suite dpo|grpo|rloo|reward|gkd [-k EXPR] [--target both|trl|hf_verl]
 
-Steps: (1) take `tests/test_<suite>_trainer.py`, `testing_utils.py`, `testing_constants.py`, `conftest.py`
-(and `tests/data/`) from a TRL source (a git directory or a checkout: `--trl-src`, default `$TRL_SRC` or the
-fetched mirror; ref `v<installed trl version>` when that tag exists, else `HEAD`); (2) build the offline Hub of
-tiny models and data sets those files load (:mod:`hub_fixtures`, cached by content); (3) copy the files into two
-temporary trees, one untouched and one where `from trl import <Suite>Config, <Suite>Trainer` becomes
-`from hf_verl import ...` (every other trl import stays); (4) run pytest in each, offline, with TRL's CPU CI
+Steps: (1) take `tests/test_<suite>_trainer.py` (GKD: `tests/experimental/test_gkd_trainer.py`), `testing_utils.py`,
+`testing_constants.py`, `conftest.py` (and `tests/data/`) from a TRL source (a git directory or a checkout:
+`--trl-src`, default `$TRL_SRC` or the fetched mirror; ref `v<installed trl version>` when that tag exists, else
+`HEAD`); (2) build the offline Hub of tiny models and data sets those files load (:mod:`hub_fixtures`, cached by
+content); (3) copy the files into two temporary trees, one untouched and one where `from trl import <Suite>Config,
+<Suite>Trainer` (GKD: `from trl.experimental.gkd import ...`) becomes `from hf_verl import ...` (every other trl
+import stays); (4) run pytest in each, offline, with TRL's CPU CI
 selection (`-m "not slow and not low_priority"`; GPU / vLLM-server / liger / kernels tests skip through TRL's
 own markers), a per-test timeout, JUnit XML; (5) write `results.json` (per-test outcome on each side) and
 `summary.md` (tests passing on TRL; of those, passing on hf_verl; each hf_verl failure with its first error line).
@@ -40,7 +41,15 @@ from hub_fixtures import build_hub, offline_env  # noqa: E402
 DEFAULT_TRL_SRC = "/work/.mirror/huggingface+trl/repo"
 SUPPORT_FILES = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py"]
 HF_VERL_NAMES = {"GRPOConfig", "GRPOTrainer", "DPOConfig", "DPOTrainer", "RLOOConfig", "RLOOTrainer", "RewardConfig",
-                 "RewardTrainer"}
+                 "RewardTrainer", "GKDConfig", "GKDTrainer"}
+SUITES = ("dpo", "grpo", "rloo", "reward", "gkd")
+# a suite's test file in TRL's tree, where it is not tests/test_<suite>_trainer.py
+SUITE_FILES = {"gkd": "tests/experimental/test_gkd_trainer.py"}
+
+
+def suite_file(suite: str) -> str:
+    """The suite's test file, relative to TRL's root (and to the laid-out tree's)."""
+    return SUITE_FILES.get(suite, f"tests/test_{suite}_trainer.py")
 PYTEST_INI = """[pytest]
 markers =
     slow: slow
@@ -101,7 +110,8 @@ def rewrite_imports(source: str) -> tuple[str, list[str]]:
 
     Returns the new source and the changed lines (for the record)."""
     changed = []
-    pattern = re.compile(r"^from trl import (\(?)([^()\n]*(?:\n[^()]*)*?)(\)?)$", re.MULTILINE)
+    pattern = re.compile(r"^from trl(?:\.experimental\.gkd)? import (\(?)([^()\n]*(?:\n[^()]*)*?)(\)?)$",
+                         re.MULTILINE)
 
     def replace(match: re.Match) -> str:
         names = [n.strip() for n in match.group(2).replace("\n", ",").split(",") if n.strip()]
@@ -111,7 +121,7 @@ def rewrite_imports(source: str) -> tuple[str, list[str]]:
         rest = [n for n in names if n not in ours]
         lines = [f"from hf_verl import {', '.join(ours)}"]
         if rest:
-            lines.append(f"from trl import {', '.join(rest)}")
+            lines.append(f"{match.group(0).split(' import ')[0]} import {', '.join(rest)}")
         changed.append(f"{match.group(0)!r} -> {' / '.join(lines)!r}")
         return "\n".join(lines)
 
@@ -151,13 +161,17 @@ def lay_out(src: TrlSource, suite: str, target: str, root: Path) -> list[str]:
         out = root / rel
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(src.read(rel))
-    text = src.read(f"tests/test_{suite}_trainer.py")
+    text = src.read(suite_file(suite))
     changed: list[str] = []
     if target == "hf_verl":
         text, changed = rewrite_imports(text)
         if not changed:
             raise SystemExit(f"no `from trl import ...{suite.upper()}Trainer` line found to rewrite")
-    (tests / f"test_{suite}_trainer.py").write_text(text)
+    test_path = root / suite_file(suite)
+    test_path.parent.mkdir(parents=True, exist_ok=True)
+    if test_path.parent != tests:  # a subpackage (tests/experimental): its relative imports need the package
+        (test_path.parent / "__init__.py").write_text("")
+    test_path.write_text(text)
     (root / "pytest.ini").write_text(PYTEST_INI)
     return changed
 
@@ -171,7 +185,7 @@ def run_pytest(root: Path, suite: str, hf_home: Path, xml: Path, log: Path, keyw
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny models: threads only contend on a shared 2-core machine
     env.pop("PYTEST_ADDOPTS", None)
-    cmd = [sys.executable, "-m", "pytest", f"tests/test_{suite}_trainer.py", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", suite_file(suite), "-p", "no:cacheprovider",
            "-m", "not slow and not low_priority", "-q", "-rN", f"--timeout={timeout}", f"--junitxml={xml}",
            "-o", "junit_family=xunit1", *extra]
     if keyword:
@@ -261,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     import importlib.metadata
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--suite", choices=["dpo", "grpo", "rloo", "reward"], required=True)
+    parser.add_argument("--suite", choices=list(SUITES), required=True)
     parser.add_argument("-k", dest="keyword", help="pytest -k expression (a subset of the tests)")
     parser.add_argument("--target", choices=["both", "trl", "hf_verl"], default="both",
                         help="hf_verl: reuse the TRL side stored in --out by an earlier run")
@@ -319,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             results[target] = json.loads(stored.read_text())
     if not rewritten:
-        _, rewritten = rewrite_imports(src.read(f"tests/test_{args.suite}_trainer.py"))
+        _, rewritten = rewrite_imports(src.read(suite_file(args.suite)))
     meta = {"trl_src": str(src.path), "trl_ref": src.ref, "trl_commit": src.commit,
             "trl_tests_version": src.version, "trl_installed": importlib.metadata.version("trl"),
             "date": time.strftime("%Y-%m-%d %H:%M"), "rewritten": rewritten, "keyword": args.keyword,
