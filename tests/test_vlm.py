@@ -1,12 +1,17 @@
 """Vision-language models in GRPOTrainer / RLOOTrainer / DPOTrainer (TRL's `image` / `images` columns with an
-`AutoProcessor`), on a tiny Gemma 3 built in code (tests/vlm_models.py): the rollout's log-probs equal the training
-forward's, they depend on the image, a few steps train every parameter, and bad setups fail at construction."""
+`AutoProcessor`), on a tiny Gemma 3 and a tiny LLaVA built in code (tests/vlm_models.py): the rollout's log-probs equal
+the training forward's, they depend on the image, a few steps train every parameter, and bad setups fail at
+construction."""
 
 import pytest
 import torch
 from datasets import Dataset
 
-from tests.vlm_models import build_gemma3, random_image
+from tests.vlm_models import build_gemma3, build_llava, random_image
+
+FAMILIES = {"gemma3": build_gemma3, "llava": build_llava}
+# parameters a family's forward never uses (LLaVA: the CLIP tower's post_layernorm serves its pooled output only)
+UNUSED = {"gemma3": (), "llava": ("post_layernorm",)}
 
 
 def _dataset(n: int = 4, column: str = "image") -> Dataset:
@@ -32,12 +37,13 @@ def _grpo_args(tmp_path, **overrides):
     return GRPOConfig(**settings)
 
 
-def test_grpo_rollout_logprobs_are_the_training_forwards_and_depend_on_the_image(tmp_path):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_grpo_rollout_logprobs_are_the_training_forwards_and_depend_on_the_image(tmp_path, family):
     from hf_verl import GRPOTrainer
     from hf_verl.data.vision import VISION_INPUTS, tokenize_vision_prompts
     from hf_verl.engine.step import LogProbs
 
-    model, processor = build_gemma3()
+    model, processor = FAMILIES[family]()
     data = _dataset(column="images")
     trainer = GRPOTrainer(model=model, reward_funcs=_length_reward, args=_grpo_args(tmp_path), train_dataset=data,
                           processing_class=processor)
@@ -57,11 +63,12 @@ def test_grpo_rollout_logprobs_are_the_training_forwards_and_depend_on_the_image
     assert (moved[mask] - logp[mask]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "RLOOTrainer"])
-def test_a_few_steps_train_every_parameter(tmp_path, trainer_name):
+@pytest.mark.parametrize("trainer_name, family", [("GRPOTrainer", "gemma3"), ("RLOOTrainer", "gemma3"),
+                                                  ("GRPOTrainer", "llava")])
+def test_a_few_steps_train_every_parameter(tmp_path, trainer_name, family):
     import hf_verl
 
-    model, processor = build_gemma3()
+    model, processor = FAMILIES[family]()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     if trainer_name == "GRPOTrainer":
         args = _grpo_args(tmp_path)
@@ -76,7 +83,7 @@ def test_a_few_steps_train_every_parameter(tmp_path, trainer_name):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
-    assert unchanged == []  # the vision tower and the projector train too
+    assert [n for n in unchanged if not any(u in n for u in UNUSED[family])] == []  # the tower and projector too
 
 
 def test_image_column_with_a_text_only_model_is_refused(tmp_path):

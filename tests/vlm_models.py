@@ -79,3 +79,33 @@ def build_gemma3(seed: int = 0):
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, processor
+
+
+def build_llava(seed: int = 0, vision_feature_layer: int = -1):
+    """A tiny LLaVA (a Llama text model, hidden 64, beside a CLIP tower at 28x28 pixels: 4 image tokens) and its
+    `LlavaProcessor` (CLIP's PIL image processor). By default the tower's last layer feeds the projector; its
+    `post_layernorm` serves the pooled output only and gets no gradient (with `vision_feature_layer=-2`, as TRL's
+    tiny LLaVA, neither does the last layer)."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tok = build_vlm_tokenizer({"image_token": "<image>"})
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=14,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=VLM_TEMPLATE.replace("IMAGE", "<image>"))
+    config = LlavaConfig(
+        text_config={"model_type": "llama", "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 256, "pad_token_id": tok.pad_token_id,
+                     "eos_token_id": tok.eos_token_id},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 28, "patch_size": 14,
+                       "projection_dim": 32},
+        image_token_index=tok.image_token_id, vision_feature_layer=vision_feature_layer, vision_feature_select_strategy="default",
+        pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, processor

@@ -58,7 +58,21 @@ def load_pretrained(model_id: str, model_init_kwargs: dict | None = None, *, tru
         raise ValueError(f"model_init_kwargs['dtype'] must be a torch.dtype, 'auto' or one of {_DTYPE_NAMES}, "
                          f"got {dtype!r}.")
     kwargs.setdefault("trust_remote_code", trust_remote_code)
-    return (auto_class or AutoModelForCausalLM).from_pretrained(model_id, **kwargs)
+    if auto_class is None:
+        auto_class = _image_text_class(model_id, kwargs["trust_remote_code"]) or AutoModelForCausalLM
+    return auto_class.from_pretrained(model_id, **kwargs)
+
+
+def _image_text_class(model_id: str, trust_remote_code: bool):
+    """`AutoModelForImageTextToText` for a vision-language checkpoint that `AutoModelForCausalLM` does not map
+    (Qwen2-VL, LLaVA, SmolVLM, ...: TRL loads them so), else None."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+    if getattr(config, "vision_config", None) is None or config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    return AutoModelForImageTextToText
 
 
 def load_for_launch(model_id: str, model_init_kwargs: dict | None, args: Any, *, trust_remote_code: bool = False,

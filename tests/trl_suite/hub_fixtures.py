@@ -13,9 +13,10 @@ This machine has no Hub, so :func:`build_hub` writes look-alikes that the real l
   The rows are written here from the Zen of Python (`import this`), with the columns and split sizes of TRL's
   (19 rows, `train` 17 / `test` 2).
 
-The `zen-image` data set (the conversational configs with a random image per row) is built; vision-language
-models are not (their processors need image-token layouts per architecture): tests that load them fail on TRL as
-well and are reported as missing fixtures, not as hf_verl failures.
+The `zen-image` data set (the conversational configs with a random image per row) is built, and the vision-language
+models whose processors load here (:data:`VISION_LMS`, built by `tests/vlm_models.py`: Gemma 3, LLaVA). The others (Qwen2-VL,
+Qwen2.5-VL, SmolVLM, ...: their processors build a video processor, which needs torchvision) are not: tests that load
+them fail on TRL as well and are reported as missing fixtures, not as hf_verl failures.
 """
 
 from __future__ import annotations
@@ -257,6 +258,26 @@ def build_model(model_type: str, family_name: str, overrides: dict, head: str, o
                      pad_token_id=ids["pad_token_id"]).save_pretrained(out_dir)
 
 
+# repo -> (builder in tests/vlm_models.py, its arguments)
+VISION_LMS = {"tiny-Gemma3ForConditionalGeneration": ("build_gemma3", {}),
+              "tiny-LlavaForConditionalGeneration": ("build_llava", {"vision_feature_layer": -2})}
+
+
+def build_vision_model(builder: str, kwargs: dict, out_dir: Path) -> None:
+    """Save a tiny bfloat16 vision-language model and its processor (`tests/vlm_models.py`'s `builder`)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("vlm_models", Path(__file__).resolve().parents[1] / "vlm_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, processor = getattr(module, builder)(**kwargs)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+
+
 def build_remote_code_model(out_dir: Path) -> None:
     """A model whose classes live in the repository (custom code, needs `trust_remote_code=True`)."""
     import importlib.util
@@ -474,6 +495,9 @@ def build_hub(root: Path, log=print) -> Path:
         log(f"building {ORG}/{repo}")
         _place_model(hub_dir, repo,
                      lambda d, a=(model_type, family, overrides): build_model(*a, "classification", d))
+    for repo, (builder, kwargs) in VISION_LMS.items():
+        log(f"building {ORG}/{repo}")
+        _place_model(hub_dir, repo, lambda d, b=builder, k=kwargs: build_vision_model(b, k, d))
     log(f"building {ORG}/{REMOTE_CODE_MODEL}")
     _place_model(hub_dir, REMOTE_CODE_MODEL, build_remote_code_model)
     for config_name, columns in zen_configs().items():
