@@ -251,8 +251,11 @@ def test_dpo_refuses_images_with_a_text_only_model_and_padding_free(tmp_path):
     with pytest.raises(ValueError, match="padding_free=False"):
         DPOTrainer(model=model, args=_dpo_args(tmp_path, padding_free=True), train_dataset=_pairs(),
                    processing_class=processor)
+    with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported for vision datasets"):  # TRL's
+        DPOTrainer(model=model, args=_dpo_args(tmp_path, precompute_ref_log_probs=True), train_dataset=_pairs(),
+                   processing_class=processor)
     tok = processor.tokenizer
     text_model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match="text-only"):
+    with pytest.raises(ValueError, match="vision-related.*text-only.*vision-language model"):  # TRL's words too
         DPOTrainer(model=text_model, args=_dpo_args(tmp_path), train_dataset=_pairs(), processing_class=tok)

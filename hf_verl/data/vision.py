@@ -58,9 +58,10 @@ def check_vision_setup(model: Any, processing_class: Any, datasets: Sequence[Any
         return False
     if not is_vision_model(model):
         name = type(getattr(model, "get_base_model", lambda: model)()).__name__
-        raise ValueError(f"{trainer}: the dataset has image column(s) {columns} but the model ({name}) is text-only "
-                         "(its config has no vision_config). Train a vision-language model (Qwen2-VL, Gemma 3, "
-                         "SmolVLM, ...) or drop the column(s) (dataset.remove_columns).")
+        raise ValueError(f"{trainer}: the dataset appears to be vision-related (it has image column(s) {columns}) but "
+                         f"the model ({name}) is text-only (its config has no vision_config), not a vision-language "
+                         "model. Train a vision-language model (Qwen2-VL, Gemma 3, LLaVA, ...) or drop the column(s) "
+                         "(dataset.remove_columns).")
     if getattr(processing_class, "image_processor", None) is None:
         raise ValueError(f"{trainer}: the dataset has image column(s) {columns} but processing_class "
                          f"({type(processing_class).__name__}) has no image processor. Pass the model's processor: "
