@@ -259,3 +259,24 @@ def test_dpo_refuses_images_with_a_text_only_model_and_padding_free(tmp_path):
                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(ValueError, match="vision-related.*text-only.*vision-language model"):  # TRL's words too
         DPOTrainer(model=text_model, args=_dpo_args(tmp_path), train_dataset=_pairs(), processing_class=tok)
+
+
+def test_the_facade_trains_on_image_rows_with_the_processor_as_tokenizer():
+    from hf_verl import Trainer
+
+    model, processor = build_gemma3()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = {"group_size": 4, "max_new_tokens": 5, "actor_lr": 1e-2, "seed": 0, "use_async_rollout": False,
+              "beta": 0.1}
+    trainer = Trainer(actor_model=model, reference_model=build_gemma3()[0], reward_model=_length_reward,
+                      tokenizer=processor, config=config)
+    rows = [{"prompt": [{"role": "user", "content": "what is a?"}], "image": random_image(0)}]
+    for _ in range(2):
+        rollout = trainer.rollout(rows)
+        mask = rollout.completion_mask.bool()
+        torch.testing.assert_close(rollout.old_logprobs[mask], rollout.sampling_logprobs[mask], atol=1e-5, rtol=0)
+        trainer.step(trainer.compute_loss(rollout))
+    assert [n for n, p in model.named_parameters() if torch.equal(p, before[n])] == []
+    text_only = Trainer(actor_model=model, reward_model=_length_reward, tokenizer=processor.tokenizer, config=config)
+    with pytest.raises(ValueError, match="no image processor"):
+        text_only.rollout(rows)

@@ -56,6 +56,12 @@ def check_vision_setup(model: Any, processing_class: Any, datasets: Sequence[Any
     columns = sorted({c for ds in datasets if ds is not None for c in image_columns(ds)})
     if not columns:
         return False
+    check_vision_inputs(model, processing_class, columns, trainer=trainer)
+    return True
+
+
+def check_vision_inputs(model: Any, processing_class: Any, columns: Sequence[str], *, trainer: str) -> None:
+    """:func:`check_vision_setup` for rows whose image `columns` are known (the facade's rows)."""
     if not is_vision_model(model):
         name = type(getattr(model, "get_base_model", lambda: model)()).__name__
         raise ValueError(f"{trainer}: the dataset appears to be vision-related (it has image column(s) {columns}) but "
@@ -66,7 +72,6 @@ def check_vision_setup(model: Any, processing_class: Any, datasets: Sequence[Any
         raise ValueError(f"{trainer}: the dataset has image column(s) {columns} but processing_class "
                          f"({type(processing_class).__name__}) has no image processor. Pass the model's processor: "
                          "processing_class=AutoProcessor.from_pretrained(<model>).")
-    return True
 
 
 def row_images(row: Mapping) -> list | None:

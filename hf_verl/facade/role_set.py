@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from hf_verl.data.prompts import ensure_pad_token
+from hf_verl.data.vision import text_tokenizer
 from hf_verl.engine.registry import ENGINES, launch_role_layout
 from hf_verl.engine.step import OptimizerSpec
 from hf_verl.facade.roles import LazyModel, vocab_size
@@ -219,8 +220,15 @@ class FacadeRoles:
 
                 self.model("actor")  # fails first, naming the role, when the id cannot be resolved
                 self._tokenizer = AutoTokenizer.from_pretrained(source)
-            ensure_pad_token(self._tokenizer)
-        return self._tokenizer
+            ensure_pad_token(text_tokenizer(self._tokenizer))
+        return text_tokenizer(self._tokenizer)  # a vision-language model's processor holds its tokenizer
+
+    @property
+    def processor(self):
+        """The processor given as `tokenizer=` when it has an image processor (rows with images are tokenised
+        through it, :mod:`hf_verl.data.vision`), else None."""
+        given = self._tokenizer
+        return given if getattr(given, "image_processor", None) is not None else None
 
     def tokenizer_at_hand(self) -> bool:
         return self._tokenizer is not None or getattr(self._engine, "tokenizer", None) is not None

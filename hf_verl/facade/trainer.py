@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
+from hf_verl.data.vision import IMAGE_COLUMNS, check_vision_inputs, row_images
 from hf_verl.engine.base import TrainingEngine
+from hf_verl.engine.hf_layouts import HFLayouts
 from hf_verl.facade.config import TrainerConfig
 from hf_verl.facade.debug import (
     DEFAULT_DEBUG_FILE,
@@ -315,7 +317,20 @@ class Trainer:
         if self._tool_rollout is not None:
             self._check_tools()
             self._tool_rollout.check_prompts([r["prompt"] for r in rows])
+        if rows and row_images(rows[0]) is not None:
+            self._check_images(sorted(set(IMAGE_COLUMNS) & set(rows[0])))
         return rows
+
+    def _check_images(self, columns: list[str]) -> None:
+        """Rows with images need a vision-language actor, its processor as `tokenizer=`, and engines that take pixel
+        inputs (the transformers-based ones; generation on the transformers engine, checked where it runs)."""
+        check_vision_inputs(self.roles.model("actor"), self.roles.processor or self.tokenizer, columns,
+                            trainer="Trainer")
+        for name in ("actor", "reference"):
+            engine = self.roles.engine(name)
+            if engine is not None and not isinstance(engine, HFLayouts):
+                raise ValueError(f"the {name} runs on {type(engine).__name__}, which does not take pixel inputs: "
+                                 "place it on an accelerate backend (ddp, fsdp2, zero) to train on images.")
 
     def _round_collector(self) -> RoundCollector:
         """The trainers' round collector (tokenise, generate, score) over this trainer's settings."""
@@ -324,7 +339,7 @@ class Trainer:
             self._collector = RoundCollector(
                 self.tokenizer, self.reward_funcs, cfg, max_new_tokens=lambda: cfg.max_completion_length,
                 prompt_limit=lambda: cfg.max_prompt_length, tool_rollout=self._tool_rollout, batch_cls=Rollout,
-                stream_scoring=False)
+                stream_scoring=False, processor=self.roles.processor)
         return self._collector
 
     def _collect(self, rows: list[dict], tokenized: tuple | None, engine: RolloutEngine, row_seeds: list[int] | None,
