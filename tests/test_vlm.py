@@ -280,3 +280,33 @@ def test_the_facade_trains_on_image_rows_with_the_processor_as_tokenizer():
     text_only = Trainer(actor_model=model, reward_model=_length_reward, tokenizer=processor.tokenizer, config=config)
     with pytest.raises(ValueError, match="no image processor"):
         text_only.rollout(rows)
+
+
+def test_qwen2_vl_multimodal_rope_rollout_logprobs_are_the_training_forwards():
+    """Qwen2-VL computes its own positions over image tokens (multimodal RoPE): the engine passes none and the
+    model's `get_rope_index` lays them out from the ids, the image grid and the padding, as its `generate` did.
+    Its processor needs torchvision, so the prompt is laid out as the processor would (tests/vlm_models.py)."""
+    from hf_verl.data.vision import VISION_INPUTS
+    from hf_verl.engine.registry import RoleLayout, make_engine
+    from hf_verl.engine.vision import computes_own_positions
+    from hf_verl.parallel.backend import BackendSpec
+    from hf_verl.parallel.dims import ParallelDims
+    from hf_verl.pipeline.generation import generate
+    from hf_verl.rollout.base import SamplingParams
+    from hf_verl.rollout.hf_engine import TransformersEngine
+    from tests.vlm_models import build_qwen2_vl, qwen2_vl_prompt
+
+    model, tok = build_qwen2_vl()
+    assert computes_own_positions(model)
+    prompts = [qwen2_vl_prompt(tok, random_image(i), text) for i, text in enumerate(["what?", "name the colours"])]
+    ids, inputs = [p[0] for p in prompts for _ in range(2)], [p[1] for p in prompts for _ in range(2)]
+    engine = TransformersEngine(model, tok)
+    batch = generate(engine, ids, ["p"] * 4, SamplingParams(max_new_tokens=6), tok, "cpu", vision_inputs=inputs)
+    mask = batch.completion_mask.bool()
+    assert len({len(i) for i in ids}) == 2 and int(mask.sum()) > 8  # left padding in the rollout and the forward
+    actor = make_engine(model, "actor", RoleLayout(BackendSpec(), ParallelDims()), trainable=False)
+    logp, _ = actor.logprobs(batch)
+    torch.testing.assert_close(logp[mask], batch.sampling_logprobs[mask], atol=1e-5, rtol=0)
+    other = batch.select(list(range(4)))
+    other.meta[VISION_INPUTS] = [qwen2_vl_prompt(tok, random_image(70 + i), "x")[1] for i in range(4)]
+    assert (actor.logprobs(other)[0][mask] - logp[mask]).abs().max() > 1e-4

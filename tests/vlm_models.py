@@ -109,3 +109,43 @@ def build_llava(seed: int = 0, vision_feature_layer: int = -1):
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     return model, processor
+
+
+def build_qwen2_vl(seed: int = 0):
+    """A tiny Qwen2-VL (text hidden 64 with multimodal RoPE sections [2, 3, 3], a 2-layer vision tower) and its tokenizer
+    with Qwen's vision tokens; no processor (Qwen2-VL's needs torchvision): :func:`qwen2_vl_prompt` lays a prompt out
+    as the processor would."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tok = build_vlm_tokenizer({"vision_start_token": "<|vision_start|>", "image_token": "<|image_pad|>",
+                               "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>"})
+    config = Qwen2VLConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                     "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id},
+        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 4, "mlp_ratio": 2,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
+        vision_start_token_id=tok.vision_start_token_id, vision_end_token_id=tok.vision_end_token_id,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def qwen2_vl_prompt(tok, image, text: str) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """`(prompt ids, pixel inputs)` of one user turn with `image` before `text`, as `Qwen2VLProcessor` lays it out:
+    the pixels from Qwen2-VL's PIL image processor (56x56 pixels: a 4x4 patch grid, 4 image tokens after merging)
+    `<|image_pad|>` repeated once per merged patch, and `mm_token_type_ids` (1 on image tokens)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    pixels = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)(images=[image], return_tensors="pt")
+    grid = pixels["image_grid_thw"]
+    n = int(grid.prod()) // 4  # spatial_merge_size 2 x 2
+    body = "<user><|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>" + text + "\n<assistant>"
+    ids = tok(body, add_special_tokens=False)["input_ids"]
+    token_types = torch.tensor([int(t == tok.image_token_id) for t in ids])  # the processor's mm_token_type_ids
+    return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": grid, "mm_token_type_ids": token_types}
