@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (group size).")
     demo.add_argument("--prompts-per-step", type=int, default=16, help="Unique prompts per GRPO step.")
     demo.add_argument("--max-completion-length", type=int, default=6, help="Tokens per completion.")
+    demo.add_argument("--rollout", default="sync", choices=["sync", "async", "in-flight", "partial"],
+                      help="--algo grpo|ppo: sync (each round generated with the current weights), async (the next "
+                           "round generated while this one trains), in-flight (async, and weight updates land in "
+                           "the running generation) or partial (in-flight with 4 rounds generated ahead, decoded "
+                           "together; docs/rollout.md).")
     serve = sub.add_parser("serve", help="Serve a model for rollouts (OpenAI-compatible, versioned weight updates), "
                                          "or a reward model on vLLM's /classify route.")
     serve.add_argument("model", help="Hub id or local path of a causal LM (or of a sequence-classification model).")
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                           dpo_loss=tuple(t.strip() for t in args.dpo_loss.split(",") if t.strip()),
                           learning_rate=args.learning_rate, num_generations=args.num_generations,
                           prompts_per_step=args.prompts_per_step,
-                          max_completion_length=args.max_completion_length, num_threads=args.threads)
+                          max_completion_length=args.max_completion_length, num_threads=args.threads,
+                          rollout=args.rollout)
         print_summary(result)
     return 0
 

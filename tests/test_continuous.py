@@ -182,3 +182,22 @@ def test_rounds_ahead_need_in_flight_updates_and_a_staleness_bound(tmp_path):
     with pytest.raises(ValueError, match="set max_staleness >= 3"):
         _grpo(tmp_path / "b", max_steps=2, use_async_rollout=True, async_rollout_depth=3,
               in_flight_weight_updates=True, max_staleness=1)
+
+
+@pytest.mark.slow
+def test_the_facade_rolls_out_rounds_ahead():
+    from hf_verl import Trainer
+    from tests.test_facade import count_a
+
+    tok = build_char_tokenizer()
+    trainer = Trainer(actor_model=_model(tok, 0), reward_model=count_a, tokenizer=tok,
+                      config={"group_size": 4, "max_new_tokens": 12, "seed": 0, "use_async_rollout": True,
+                              "in_flight_weight_updates": True, "max_staleness": 3, "async_rollout_depth": 3,
+                              "actor_lr": 1e-2})
+    staleness = []
+    for rollout in trainer.rollouts([["abc", "hello"]] * 6):
+        metrics = trainer.step(trainer.compute_loss(rollout))
+        assert torch.isfinite(torch.tensor(metrics["grad_norm/actor"]))
+        staleness.append(rollout.metrics.get("rollout/token_staleness_mean", 0.0))
+    assert len(staleness) == 6 and 0 < max(staleness) <= 3  # rounds were served from 3 generated ahead
+    assert not trainer._rounds.pending and not trainer._rounds.queued

@@ -43,6 +43,14 @@ REWARD_KEY = {"grpo": "reward", "ppo": "objective/scores", "dpo": "rewards/accur
 # The RL phase's recipe on the built-in task, measured on seeds 0-9 (README.md's demo table):
 LR_WARMUP_SHARE = 0.2  # the learning rate rises linearly over this share of the steps, then falls linearly to 0
 TEMPERATURE = {"grpo": 1.0, "ppo": 0.7}  # sampling temperature of the rollouts (DPO samples nothing)
+# how GRPO / PPO rounds are generated (`--rollout`): the config settings of each mode (docs/rollout.md)
+ROLLOUT_MODES = {
+    "sync": {},
+    "async": {"use_async_rollout": True, "max_staleness": 1},
+    "in-flight": {"use_async_rollout": True, "in_flight_weight_updates": True, "max_staleness": 1},
+    "partial": {"use_async_rollout": True, "in_flight_weight_updates": True, "async_rollout_depth": 4,
+                "max_staleness": 4},
+}
 PPO_POLICY_LR_SHARE = 0.5  # PPO's policy trains at this share of `learning_rate`, its critic at `learning_rate`
 
 
@@ -287,7 +295,7 @@ def demo_run_body(output_dir: str, *, algo: str = "grpo", model_name: str | None
                   warmup_lr: float = 1e-3, warmup_eval_every: int = 5, learning_rate: float = 5e-4,
                   num_generations: int = 8, prompts_per_step: int = 16, max_completion_length: int = 6,
                   temperature: float | None = None, disable_tqdm: bool = False,
-                  dpo_loss: tuple[str, ...] = ("sigmoid", "sft")) -> DemoResult:
+                  dpo_loss: tuple[str, ...] = ("sigmoid", "sft"), rollout: str = "sync") -> DemoResult:
     """Warm up, measure held-out greedy accuracy, train with `algo`, measure again; write
     `metrics.jsonl`, `reward.png`, `summary.json` and the trained model (`model/`) into a new folder
     `<output_dir>/<algo>/<time>-seed<seed>`, and point `<output_dir>/latest` at it.
@@ -307,6 +315,9 @@ def demo_run_body(output_dir: str, *, algo: str = "grpo", model_name: str | None
       `learning_rate` (at the full rate its policy collapsed to 0% on a seed), sampling at 0.7 (at 1.0 the
       reward stayed flat for the first 200 steps on some seeds).
 
+    `rollout` (GRPO and PPO) picks how rounds are generated, one of `ROLLOUT_MODES`: the recipe's figures are
+    measured with "sync"; docs/rollout.md has the others'.
+
     DPO trains on `dpo_loss`: by default sigmoid DPO plus an NLL term on
     the chosen answer (RPO, Pang et al. 2024; TRL's `loss_type=["sigmoid", "sft"]`). Offline
     sigmoid DPO alone on this task moves held-out accuracy anywhere from -10 to +32 points with the
@@ -315,6 +326,8 @@ def demo_run_body(output_dir: str, *, algo: str = "grpo", model_name: str | None
     """
     if algo not in ALGOS:
         raise ValueError(f"--algo must be one of {ALGOS}, got {algo!r}.")
+    if rollout not in ROLLOUT_MODES:
+        raise ValueError(f"--rollout must be one of {sorted(ROLLOUT_MODES)}, got {rollout!r}.")
     from transformers import set_seed
 
     from hf_verl.trainers.grpo_config import GRPOConfig
@@ -358,10 +371,11 @@ def demo_run_body(output_dir: str, *, algo: str = "grpo", model_name: str | None
         gradient_checkpointing=False, use_cpu=True, report_to=[], logging_steps=1, max_steps=max_steps,
         save_strategy="no", seed=seed, disable_tqdm=disable_tqdm, dataloader_num_workers=0,
     )
+    on_policy = ROLLOUT_MODES[rollout]  # GRPO and PPO
     callbacks = [_time_budget_callback(rl_seconds)] if rl_seconds else []
     if algo == "grpo":
         args = GRPOConfig(num_generations=num_generations, per_device_train_batch_size=prompts_per_step * num_generations,
-                          max_completion_length=max_completion_length, beta=0.0, **common)
+                          max_completion_length=max_completion_length, beta=0.0, **common, **on_policy)
         trainer = GRPOTrainer(model=model, reward_funcs=reverse_reward, args=args, train_dataset=train_ds,
                               processing_class=tokenizer, callbacks=callbacks)
     elif algo == "dpo":
@@ -386,7 +400,7 @@ def demo_run_body(output_dir: str, *, algo: str = "grpo", model_name: str | None
         args = PPOConfig(per_device_train_batch_size=prompts_per_step * num_generations // 2,
                          gradient_accumulation_steps=1, num_mini_batches=2, num_ppo_epochs=2,
                          response_length=max_completion_length, stop_token="eos", kl_coef=0.0,
-                         critic_learning_rate=learning_rate, vf_coef=0.5, **ppo_common)
+                         critic_learning_rate=learning_rate, vf_coef=0.5, **ppo_common, **on_policy)
         trainer = PPOTrainer(args=args, processing_class=tokenizer, model=model, reward_model=reverse_reward,
                              train_dataset=train_ds, value_model=build_critic(model), callbacks=callbacks)
     if not disable_tqdm:
