@@ -113,6 +113,7 @@ def test_image_column_with_a_tokenizer_for_processor_is_refused(tmp_path):
     (dict(sequence_parallel_size=2), "sequence_parallel_size=1"),
     (dict(use_vllm=True), "use_vllm=False"),
     (dict(stop=["!"]), "stop=None"),
+    (dict(advantage_estimator="remax"), "ReMax"),
 ])
 def test_settings_a_run_on_images_cannot_take_are_refused(tmp_path, overrides, match):
     from hf_verl.trainers.vision_checks import refuse_vision_settings

@@ -6,6 +6,10 @@ tokens (Qwen2-VL's multimodal RoPE and its decode offsets, Gemma 3's bidirection
 forward does; the log-probs are those of the raw logits `generate` returns (:mod:`hf_verl.rollout.base`'s
 convention). Image tokens are never sampled (TRL suppresses them too): a sampled one would have no pixels behind
 it in the training forward.
+
+It drives a :class:`~hf_verl.rollout.hf_engine.TransformersEngine` through that engine's own helpers (left padding,
+end-of-sequence post-processing, its weight lock and version), so that rows with images are padded, cut and
+versioned exactly as text rows are; the engine's lean decode loop itself is text-only.
 """
 
 from __future__ import annotations

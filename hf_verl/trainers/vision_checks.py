@@ -26,6 +26,8 @@ def refuse_vision_settings(trainer: str, args: Any, backend: Any, dims: Any, *, 
         (bool(getattr(args, "padding_free", False)),
          "rows with images are scored padded: set padding_free=False"),
         (bool(getattr(args, "stop", None)), "image prompts are generated without stop strings: set stop=None"),
+        (getattr(args, "advantage_estimator", None) == "remax",
+         "ReMax's greedy baseline generates without pixel inputs: choose another advantage_estimator"),
         (tools, "tool-calling rollouts do not take image prompts yet: drop tools / environment_factory"),
         (rollout_func, "a custom rollout_func gets no pixel inputs: drop rollout_func or the image columns"),
     ]
