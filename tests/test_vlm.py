@@ -141,6 +141,19 @@ def test_trl_image_formats_become_image_parts_of_the_first_user_turn():
         prepare_multimodal_messages(placed, [image, image])
 
 
+def test_a_repeated_row_is_processed_once_and_other_images_are_not_taken_for_it():
+    from hf_verl.data.vision import tokenize_vision_prompts
+
+    _, processor = build_gemma3()
+    prompt = [{"role": "user", "content": "what?"}]
+    rows = [{"prompt": prompt, "image": random_image(0)}, {"prompt": prompt, "image": random_image(0)},
+            {"prompt": prompt, "image": random_image(1)}]
+    out = tokenize_vision_prompts(rows, processor, None)
+    first, again, other = (x["pixel_values"] for x in out.vision_inputs)
+    assert again is first  # the group's repeat reuses the processed row
+    assert not torch.equal(other, first) and out.ids[2] == out.ids[0]
+
+
 def test_per_token_fields_sit_under_the_left_padded_prompt():
     from hf_verl.data.vision import collate_vision_inputs
 

@@ -137,8 +137,16 @@ def tokenize_vision_prompts(rows: Sequence[Mapping], processor: Any, max_prompt_
             longer than `max_prompt_length` (cutting it would cut its image tokens off their pixels).
     """
     texts, ids, inputs = [], [], []
+    previous = None  # (prompt, image key) of the last row: a GRPO group repeats its row, processed once
     for i, row in enumerate(rows):
         prompt = row.get("prompt")
+        key = (prompt, _image_key(row_images(row)))
+        if previous is not None and key == previous:
+            texts.append(texts[-1])
+            ids.append(ids[-1])
+            inputs.append(inputs[-1])
+            continue
+        previous = key
         if not is_conversational(prompt):
             raise ValueError(f"prompt {i}: training on images needs conversational prompts (a list of "
                              "{'role', 'content'} messages), as in TRL: pass the raw messages and let the trainer "
@@ -162,6 +170,12 @@ def tokenize_vision_prompts(rows: Sequence[Mapping], processor: Any, max_prompt_
         ids.append(row_ids)
         inputs.append(fields)
     return VisionPrompts(texts, ids, 0, inputs)
+
+
+def _image_key(images: Sequence | None) -> tuple:
+    """What identifies a row's images for reuse: each image's size, mode and pixels (its identity if not PIL)."""
+    return tuple((getattr(im, "size", None), getattr(im, "mode", None),
+                  im.tobytes() if callable(getattr(im, "tobytes", None)) else id(im)) for im in images or ())
 
 
 def collate_vision_inputs(inputs: Sequence[Mapping[str, torch.Tensor]], *, prompt_width: int, width: int,
