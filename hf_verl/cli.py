@@ -14,8 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-verl", description="RL post-training of LLMs with Hugging Face.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="Train a tiny model on a verifiable task with RL, offline, on a CPU.")
-    demo.add_argument("--algo", default="grpo", choices=["grpo", "ppo", "dpo"],
-                      help="grpo (group-relative, no critic), ppo (critic + GAE) or dpo (offline preferences).")
+    demo.add_argument("--algo", default="grpo", choices=["grpo", "ppo", "dpo", "distill"],
+                      help="grpo (group-relative, no critic), ppo (critic + GAE), dpo (offline preferences) or "
+                           "distill (a GRPO-trained teacher distilled on-policy into a student with another "
+                           "tokenizer; its own recipe: --seed, --rl-seconds, --threads, --output-dir apply).")
     demo.add_argument("--model", default=None, help="Hub id or path of a causal LM (default: a tiny Llama built in code).")
     demo.add_argument("--dataset", default=None,
                       help="Dataset name/path with 'prompt' and 'answer' columns (default: the reverse-string task).")
@@ -130,8 +132,9 @@ def run_serve_classify(args, tokenizer) -> int:
 
 def print_summary(result) -> None:
     print(f"warm-up: {result.warmup_steps} supervised steps, train greedy accuracy {result.warmup_train_accuracy:.1%}")
-    print(f"held-out greedy accuracy before RL: {result.accuracy_before:.1%}")
-    print(f"held-out greedy accuracy after  RL: {result.accuracy_after:.1%}  "
+    stage = "distillation" if "teacher_accuracy" in result.extra else "RL"
+    print(f"held-out greedy accuracy before {stage}: {result.accuracy_before:.1%}")
+    print(f"held-out greedy accuracy after  {stage}: {result.accuracy_after:.1%}  "
           f"({result.rl_steps} optimizer steps, {result.rl_seconds:.0f} s)")
     for key, value in result.extra.items():
         print(f"{key.replace('_', ' ')}: {value:.1%}")
@@ -150,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return run_serve(args)
-    if args.command == "demo":
+    if args.command == "demo" and args.algo == "distill":
+        from hf_verl.demo.run import run_demo
+
+        print_summary(run_demo(args.output_dir, algo="distill", seed=args.seed, rl_seconds=args.rl_seconds,
+                               num_threads=args.threads, model_name=args.model, dataset_name=args.dataset))
+    elif args.command == "demo":
         from hf_verl.demo.run import run_demo
 
         result = run_demo(args.output_dir, algo=args.algo, model_name=args.model, dataset_name=args.dataset,

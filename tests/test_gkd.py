@@ -119,6 +119,7 @@ def test_lmbda_one_samples_on_policy_and_lmbda_zero_uses_the_dataset_completion(
             assert completions == ["cba\n", "dba\n", "eba\n", "fba\n"]
 
 
+@pytest.mark.slow
 def test_gkd_steps_move_every_weight_and_lower_the_jsd_toward_a_fixed_teacher(tmp_path):
     tok = build_char_tokenizer()
     trainer = _trainer(tmp_path, tok, lmbda=0.0, beta=0.5, max_steps=25)
@@ -166,6 +167,7 @@ def _teacher_own_logprobs(model, tok, prompt: str, completion: str, eos: bool):
     return logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)[len(p_ids) - 1:]
 
 
+@pytest.mark.slow
 def test_cross_tokenizer_teacher_log_probs_equal_the_teachers_own_forward(tmp_path):
     student_tok = build_char_tokenizer()
     for teacher_tok in (_permuted_char_tokenizer(), build_bpe_tokenizer()):
@@ -248,3 +250,25 @@ def test_bad_inputs_are_refused_with_what_to_change(tmp_path):
     narrow = PreTrainedTokenizerFast(tokenizer_object=narrow, eos_token="<eos>", pad_token="<pad>")
     with pytest.raises(ValueError, match="cannot round-trip"):
         _trainer(tmp_path, tok, narrow)
+
+
+def test_across_tokenizers_eos_is_the_teachers_eos_and_textless_tokens_end_the_scored_completion(tmp_path):
+    from hf_verl.data.batch import RolloutBatch, pad_sequences
+    from hf_verl.pipeline.distillation import UNSCORABLE_LOGPROB
+
+    student_tok, teacher_tok = build_char_tokenizer(), _permuted_char_tokenizer()
+    trainer = _trainer(tmp_path, student_tok, teacher_tok, lmbda=1.0)
+    prompt = "<user>reverse abc\n<assistant>"
+    p_ids = student_tok(prompt)["input_ids"]
+    eos, pad = student_tok.eos_token_id, student_tok.pad_token_id
+    completions = [student_tok("cba")["input_ids"] + [eos], student_tok("c")["input_ids"] + [pad] +
+                   student_tok("ba")["input_ids"] + [eos]]
+    prompts, p_mask = pad_sequences([p_ids, p_ids], pad, side="left")
+    c_ids, c_mask = pad_sequences(completions, pad, side="right")
+    c_mask[1, 1] = 1  # the generated <pad> is a real completion token
+    mb = trainer.algorithm.prepare(RolloutBatch(prompts, p_mask, c_ids, c_mask), trainer.actor, on_policy=True)
+    own = _teacher_own_logprobs(trainer.teacher_model, teacher_tok, prompt, "cba", eos=True)
+    torch.testing.assert_close(mb.teacher[0, :4], own, rtol=1e-5, atol=1e-5)  # EOS included, token for token
+    assert mb.batch.completion_mask[1].tolist() == [1, 1, 0, 0, 0]  # scored up to the <pad>, not after it
+    assert mb.teacher[1, 1].item() == UNSCORABLE_LOGPROB
+    assert mb.teacher[1, 0].item() == pytest.approx(own[0].item(), abs=1e-5)

@@ -284,6 +284,10 @@ def run_demo(output_dir: str, *, num_threads: int | None = None, **kwargs) -> De
         torch.set_num_threads(num_threads)
         logger.info("torch CPU threads for this run: %d", num_threads)
     try:
+        if kwargs.get("algo") == "distill":  # on-policy distillation: hf_verl/demo/distill.py
+            from hf_verl.demo.distill import distill_run_body
+
+            return distill_run_body(output_dir, **{k: v for k, v in kwargs.items() if k != "algo"})
         return demo_run_body(output_dir, **kwargs)
     finally:
         torch.set_num_threads(previous)

@@ -26,6 +26,7 @@ reference (colocated, on its own placement, or served by URL).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +37,16 @@ from hf_verl.algorithms.distillation import (
     generalized_jsd,
     sampled_token_distillation_loss,
 )
+from hf_verl.algorithms.token_alignment import align_logprobs
 from hf_verl.data.batch import RolloutBatch, pad_sequences
 from hf_verl.engine.step import LogProbs
 from hf_verl.pipeline.cross_tokenizer import CrossTokenizer, same_tokenizer
 
 IGNORE_INDEX = -100
+UNSCORABLE_LOGPROB = -20.0
+"""The teacher log-prob given to a student completion token that adds no text (a special token other than EOS:
+padding, UNK, a chat marker): a teacher of another tokenizer cannot produce it (its probability is 0; this floor keeps
+the estimate finite), and the student's tokens after it are not scored (their text has no place to align to)."""
 
 
 # ----------------------------------------------------------------------------------------------- batch layouts
@@ -219,8 +225,7 @@ class GKDAlgorithm:
         `batch.device`."""
         device = getattr(self.teacher, "device", batch.device)
         if self.cross is not None:
-            out = self.cross.logprobs(self.teacher, student, batch, temperature=1.0, chunk_size=1024,
-                                      micro_batch=micro_batch or batch.batch_size)
+            out = self._aligned(batch, student, micro_batch=micro_batch or batch.batch_size)
         else:
             moved = batch.to(device) if torch.device(device) != batch.device else batch
             out = self.teacher.infer(moved, LogProbs() if self.sampled else CompletionLogits(),
@@ -228,10 +233,57 @@ class GKDAlgorithm:
             out = out.logp if self.sampled else out
         return out.to(batch.device)
 
+    def _aligned(self, batch: RolloutBatch, student: Any, *, micro_batch: int) -> torch.Tensor:
+        """The teacher's `(B, C)` log-probs of the student's completion tokens across tokenizers: the text aligned
+        by character offsets (:func:`~hf_verl.algorithms.token_alignment.align_logprobs`), and a completion's final
+        EOS matched to the teacher's own EOS (the alignment's rule for the KL to a reference puts an EOS, which adds
+        no text, into the previous token's segment: per token, EOS would cost the student nothing)."""
+        role_batch, actor_ends, role_ends = self.cross.role_batch(batch)
+        device = getattr(self.teacher, "device", batch.device)
+        role_batch = role_batch.to(device) if torch.device(device) != batch.device else role_batch
+        request = LogProbs(temperature=1.0)
+        role_lp = self.teacher.infer(role_batch, request, micro_batch=micro_batch).logp.float().cpu()
+        actor_lp = student.infer(batch, request, micro_batch=micro_batch).logp.float().cpu()
+        student_eos, teacher_eos = self.cross.actor_tokenizer.eos_token_id, self.cross.role_tokenizer.eos_token_id
+        out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32)
+        for row, (a_ends, r_ends) in enumerate(zip(actor_ends, role_ends)):
+            cols = batch.completion_mask[row].bool().nonzero().flatten().cpu()
+            r_lp = role_lp[row, : len(r_ends)]
+            r_ids = role_batch.completion_ids[row][role_batch.completion_mask[row].bool()].tolist()
+            if len(cols) and int(batch.completion_ids[row, cols[-1]]) == student_eos and r_ids and \
+                    r_ids[-1] == teacher_eos:
+                out[row, cols[-1]] = r_lp[-1]
+                cols, a_ends, r_ends, r_lp = cols[:-1], a_ends[:-1], r_ends[:-1], r_lp[:-1]
+            if len(cols):
+                out[row, cols] = align_logprobs(a_ends, r_ends, r_lp, actor_lp[row, cols])[0]
+        return out.to(batch.device)
+
     def prepare(self, batch: RolloutBatch, student: Any, *, on_policy: bool,
                 micro_batch: int | None = None) -> DistillBatch:
-        """`batch` with the teacher's side attached."""
-        return DistillBatch(batch, self.teacher_side(batch, student, micro_batch=micro_batch), on_policy)
+        """`batch` with the teacher's side attached. Across tokenizers, a completion is scored up to its first
+        token that adds no text, which gets :data:`UNSCORABLE_LOGPROB` (the returned batch's `completion_mask` is
+        the scored tokens)."""
+        if self.cross is None:
+            return DistillBatch(batch, self.teacher_side(batch, student, micro_batch=micro_batch), on_policy)
+        scored, textless = self._cut_at_textless(batch)
+        aligned = dataclasses.replace(scored, completion_mask=scored.completion_mask * (~textless).long())
+        teacher = self.teacher_side(aligned, student, micro_batch=micro_batch)
+        teacher[textless] = UNSCORABLE_LOGPROB
+        return DistillBatch(scored, teacher, on_policy)
+
+    def _cut_at_textless(self, batch: RolloutBatch) -> tuple[RolloutBatch, torch.Tensor]:
+        """`(batch scored up to and including each row's first text-less completion token, where those tokens are)`."""
+        tokenizer = self.cross.actor_tokenizer
+        textless_ids = [t for t in tokenizer.all_special_ids if t != tokenizer.eos_token_id]
+        mask = batch.completion_mask.bool()
+        textless = torch.isin(batch.completion_ids, torch.as_tensor(textless_ids, device=batch.device)) & mask
+        if not textless.any():
+            return batch, textless
+        first = torch.where(textless.any(-1), textless.int().argmax(-1), textless.shape[1])
+        cols = torch.arange(textless.shape[1], device=batch.device)
+        keep = mask & (cols.unsqueeze(0) <= first.unsqueeze(1))
+        textless = textless & (cols.unsqueeze(0) == first.unsqueeze(1))
+        return dataclasses.replace(batch, completion_mask=keep.long()), textless
 
     def token_sum(self, out: torch.Tensor, mb: DistillBatch) -> torch.Tensor:
         """The loss summed over the micro-batch's counted completion tokens."""
