@@ -272,3 +272,23 @@ def test_across_tokenizers_eos_is_the_teachers_eos_and_textless_tokens_end_the_s
     assert mb.batch.completion_mask[1].tolist() == [1, 1, 0, 0, 0]  # scored up to the <pad>, not after it
     assert mb.teacher[1, 1].item() == UNSCORABLE_LOGPROB
     assert mb.teacher[1, 0].item() == pytest.approx(own[0].item(), abs=1e-5)
+
+
+def test_every_field_of_trls_gkd_config_is_here_with_its_default():
+    import dataclasses
+
+    trl_gkd = pytest.importorskip("trl.experimental.gkd")
+    from transformers import TrainingArguments
+
+    base = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    ours = {f.name: f for f in dataclasses.fields(GKDConfig)}
+
+    def default(f):
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    for f in dataclasses.fields(trl_gkd.GKDConfig):
+        if f.name in base and default(f) == default(base[f.name]):
+            continue
+        assert f.name in ours, f"GKDConfig lacks TRL's field {f.name}"
+        if f.name != "bf16":  # hf_verl's one departure: None turns on only on bf16-capable CUDA
+            assert default(ours[f.name]) == default(f), (f.name, default(ours[f.name]), default(f))
