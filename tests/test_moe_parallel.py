@@ -4,7 +4,7 @@ Tiny Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral actors (:mod:`tests.moe_mo
 (`router_aux_loss_coef` 0.05) train 3 steps of GRPO, PPO (dense critic), DPO and the role facade's loop
 (:mod:`tests.distributed.moe_parity`). One launch per backend runs four of these, the families rotated so that
 every (algorithm, family) pair runs on some backend and every family on every backend; the baseline is the same
-runs in one process; a 4-process DDP launch runs GRPO and DPO. Logged losses, aux losses and final actor weights must match; the aux loss must be the one
+runs in one process; a 4-process DDP launch runs GRPO, DPO, PPO and the facade. Logged losses, aux losses and final actor weights must match; the aux loss must be the one
 of the global batch (:mod:`hf_verl.engine.router_loss`: each rank's own loss averaged gave aux losses off by up
 to 3e-2 and weights by 5e-3). Measured: losses within 3e-6 relative, aux losses within 2e-7, weights within 4e-6.
 
@@ -87,7 +87,7 @@ def test_moe_runs_on_two_processes_equal_one(baseline, tmp_path, backend):
 @pytest.mark.slow
 def test_moe_runs_on_four_ddp_processes_equal_one(baseline, tmp_path):
     """4 ranks of 2 rows each (a GRPO group of 4 spans 2 ranks): the aux loss is still the global batch's."""
-    runs = ["grpo:qwen3_moe", "dpo:mixtral"]
+    runs = ["grpo:qwen3_moe", "dpo:mixtral", "ppo:qwen2_moe", "facade:mixtral"]
     _launch("ddp", runs, tmp_path, processes=4)
     _assert_same_runs(baseline, tmp_path, runs, "ddp", world=4)
 

@@ -50,21 +50,22 @@ def build(algo: str, family: str, out: str, world: int, tok):
 
 
 def facade_run(family: str, tok) -> dict:
-    """The facade's loop (KL reference, dense critic) on this rank's slice of each global batch of 2 prompts."""
+    """The facade's loop (KL reference, dense critic) on this rank's slice of each global batch of 4 prompts
+    (one per rank on 4 processes)."""
     from hf_verl import Trainer
     from hf_verl.parallel import comm
 
-    prompts = ["abc", "xyz", "hello", "ab", "b", "cc"]
+    prompts = ["abc", "xyz", "hello", "ab", "b", "cc", "ba", "aab", "c", "bca", "a", "xa"]
     facade = Trainer(actor_model=tiny_moe(family, tok), reference_model=tiny_moe(family, tok),
                      critic_model=tiny_qwen2(tok, "Qwen2ForSequenceClassification", seed=1, num_labels=1),
                      reward_model=count_a, tokenizer=tok,
                      config=dict(num_generations=4, max_completion_length=6, beta=0.05, learning_rate=1e-3,
                                  critic_learning_rate=2e-3, seed=11, per_row_sampling_seed=True))
     dims = facade.dims
-    per_rank = 2 // dims.dp_size
+    per_rank = 4 // dims.dp_size
     losses, aux = [], []
     for step in range(3):
-        batch = prompts[2 * step : 2 * step + 2][dims.dp_rank * per_rank : (dims.dp_rank + 1) * per_rank]
+        batch = prompts[4 * step : 4 * step + 4][dims.dp_rank * per_rank : (dims.dp_rank + 1) * per_rank]
         loss = facade.compute_loss(facade.rollout(batch))
         losses.append(comm.reduce(dims, loss.detach().reshape(1), "mean").item())
         aux.append(comm.reduce(dims, torch.tensor([float(facade._loss_metrics["aux_loss"])]), "mean").item())
