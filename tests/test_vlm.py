@@ -162,6 +162,9 @@ def test_per_token_fields_sit_under_the_left_padded_prompt():
     out = collate_vision_inputs(rows, prompt_width=4, width=6, device="cpu")
     assert out["pixel_values"].shape == (2, 3, 2, 2)
     assert out["token_type_ids"].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0]]
+    mixed = collate_vision_inputs([{}, rows[1]], prompt_width=3, width=5, device="cpu", right_padded=True)
+    assert mixed["pixel_values"].shape == (1, 3, 2, 2)  # a text-only row adds no image
+    assert mixed["token_type_ids"].tolist() == [[0, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
 
 
 @pytest.mark.multiprocess
@@ -324,3 +327,25 @@ def test_qwen2_vl_multimodal_rope_rollout_logprobs_are_the_training_forwards():
     other = batch.select(list(range(4)))
     other.meta[VISION_INPUTS] = [qwen2_vl_prompt(tok, random_image(70 + i), "x")[1] for i in range(4)]
     assert (actor.logprobs(other)[0][mask] - logp[mask]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_text_only_rows_beside_image_rows(tmp_path, family):
+    """TRL's mixed datasets (an `images` list empty on some rows): a text-only row adds no pixels, and its
+    log-probs are still the rollout's."""
+    from hf_verl import GRPOTrainer
+    from hf_verl.data.vision import VISION_INPUTS
+
+    model, processor = FAMILIES[family]()
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": "what is a?"}], "images": []},
+                              {"prompt": [{"role": "user", "content": "what is b?"}], "images": [random_image(1)]}])
+    trainer = GRPOTrainer(model=model, reward_funcs=_length_reward, args=_grpo_args(tmp_path), train_dataset=data,
+                          processing_class=processor)
+    batch = trainer._collect([data[0]] * 2 + [data[1]] * 2, trainer.engine).batch
+    assert "pixel_values" not in batch.meta[VISION_INPUTS][0] and "pixel_values" in batch.meta[VISION_INPUTS][2]
+    mask = batch.completion_mask.bool()
+    logp, _ = trainer.actor.logprobs(batch)
+    torch.testing.assert_close(logp[mask], batch.sampling_logprobs[mask], atol=1e-5, rtol=0)
+    text_round = trainer._collect([data[0]] * 4, trainer.engine).batch  # no image in the round: the text path,
+    assert VISION_INPUTS not in text_round.meta  # rendered with the processor's chat template
+    assert text_round.meta["prompt_ids"][0] == batch.meta["prompt_ids"][0]

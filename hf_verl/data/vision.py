@@ -34,9 +34,15 @@ def image_columns(dataset: Any) -> list[str]:
 
 
 def text_tokenizer(processing_class: Any) -> Any:
-    """The tokenizer of a processor (its `tokenizer`), or `processing_class` itself when it is a tokenizer."""
+    """The tokenizer of a processor (its `tokenizer`), or `processing_class` itself when it is a tokenizer. A
+    processor's tokenizer without a chat template is given the processor's (where processors keep it), so that
+    text-only rows render as the processor renders them."""
     inner = getattr(processing_class, "tokenizer", None)
-    return inner if inner is not None and hasattr(processing_class, "apply_chat_template") else processing_class
+    if inner is None or not hasattr(processing_class, "apply_chat_template"):
+        return processing_class
+    if getattr(inner, "chat_template", None) is None and getattr(processing_class, "chat_template", None):
+        inner.chat_template = processing_class.chat_template
+    return inner
 
 
 def is_vision_model(model: Any) -> bool:
@@ -184,24 +190,24 @@ def collate_vision_inputs(inputs: Sequence[Mapping[str, torch.Tensor]], *, promp
     ending at `prompt_width`) followed by `width - prompt_width` completion positions; with `right_padded`, rows of
     `width` positions that each start with their prompt (DPO's pair rows).
 
-    Raises:
-        ValueError: rows whose pixel inputs name different fields (a batch mixes rows with and without images).
+    Rows without images (a text-only row beside image rows) add nothing to the per-image fields, whose images the
+    model matches to the image tokens in order, and zeros to the per-token ones.
     """
-    keys = list(inputs[0])
-    if any(list(x) != keys for x in inputs):
-        raise ValueError("the rows of one batch have different pixel inputs "
-                         f"({sorted({k for x in inputs for k in x})}): every row needs images, or none.")
+    keys = list(dict.fromkeys(k for x in inputs for k in x))
     out = {}
     for key in keys:
+        have = [x[key] for x in inputs if key in x]
         if key in PER_TOKEN_FIELDS:
-            laid = torch.zeros((len(inputs), width), dtype=inputs[0][key].dtype)
+            laid = torch.zeros((len(inputs), width), dtype=have[0].dtype)
             for i, x in enumerate(inputs):
+                if key not in x:
+                    continue
                 n = x[key].shape[0]
                 start = 0 if right_padded else prompt_width - n
                 laid[i, start : start + n] = x[key]
             out[key] = laid.to(device)
         else:
-            out[key] = torch.cat([x[key] for x in inputs]).to(device)
+            out[key] = torch.cat(have).to(device)
     return out
 
 

@@ -317,7 +317,7 @@ class Trainer:
         if self._tool_rollout is not None:
             self._check_tools()
             self._tool_rollout.check_prompts([r["prompt"] for r in rows])
-        if rows and row_images(rows[0]) is not None:
+        if any(row_images(r) is not None for r in rows):
             self._check_images(sorted(set(IMAGE_COLUMNS) & set(rows[0])))
         return rows
 

@@ -115,7 +115,7 @@ class RoundCollector:
         rollout renders each prompt with its row's tools itself)."""
         if self.tool_rollout is not None:
             return None
-        if self.processor is not None and row_images(rows[0]) is not None:
+        if self.processor is not None and any(row_images(r) is not None for r in rows):
             return tokenize_vision_prompts(rows, self.processor, self.prompt_limit(),
                                            getattr(self.settings, "chat_template_kwargs", None)), \
                 [r["prompt"] for r in rows]
