@@ -334,3 +334,38 @@ def test_ddp_student_with_an_fsdp2_teacher_over_two_processes_equals_one_process
     a, b = (load_file(str(d / "final" / "model.safetensors")) for d in (one, two))
     assert set(a) == set(b) and max((a[k] - b[k]).abs().max().item() for k in a) < 2e-5
     assert len(got["on_policy_loss"]) == 1 and math.isfinite(got["on_policy_loss"][0])
+
+
+def test_seq_kd_trains_on_the_teachers_own_completions(tmp_path):
+    tok = build_char_tokenizer()
+    trainer = _trainer(tmp_path, tok, lmbda=0.0, seq_kd=True, max_steps=2)
+    assert trainer._teacher_generator.model is trainer.teacher_model
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    torch.manual_seed(0)
+    batch, on_policy = trainer._rollout(inputs)
+    assert not on_policy and batch.completion_mask.sum(-1).max().item() <= 6
+    # the teacher sampled them: under the teacher they are likelier than the dataset's completions are per token
+    teacher_side = trainer.algorithm.teacher_side(batch, trainer.actor)  # (B, C, V) logits
+    logp = torch.log_softmax(teacher_side, -1).gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    sampled = (logp * batch.completion_mask).sum() / batch.completion_mask.sum()
+    data = trainer._dataset_batch(inputs)
+    d_side = trainer.algorithm.teacher_side(data, trainer.actor)
+    d_logp = torch.log_softmax(d_side, -1).gather(-1, data.completion_ids.unsqueeze(-1)).squeeze(-1)
+    assert sampled > (d_logp * data.completion_mask).sum() / data.completion_mask.sum()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert all(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_peft_config_trains_the_students_adapters_only(tmp_path):
+    from peft import LoraConfig
+
+    tok = build_char_tokenizer()
+    trainer = GKDTrainer(model=tiny_llama(tok), teacher_model=tiny_llama(tok, seed=1),
+                         args=_config(tmp_path, max_steps=2, lmbda=0.5, learning_rate=1e-2), train_dataset=_rows(),
+                         processing_class=tok, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert changed == {n for n, p in trainer.model.named_parameters() if p.requires_grad}
