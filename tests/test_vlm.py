@@ -349,3 +349,22 @@ def test_text_only_rows_beside_image_rows(tmp_path, family):
     text_round = trainer._collect([data[0]] * 4, trainer.engine).batch  # no image in the round: the text path,
     assert VISION_INPUTS not in text_round.meta  # rendered with the processor's chat template
     assert text_round.meta["prompt_ids"][0] == batch.meta["prompt_ids"][0]
+
+
+def test_grpo_with_a_peft_adapter_on_a_vlm(tmp_path):
+    """TRL's `test_train_vlm_peft`: LoRA on the text model's attention, the reference = adapters disabled."""
+    from peft import LoraConfig
+
+    from hf_verl import GRPOTrainer
+
+    model, processor = build_gemma3()
+    trainer = GRPOTrainer(model=model, reward_funcs=_length_reward, args=_grpo_args(tmp_path), train_dataset=_dataset(),
+                          processing_class=processor, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    assert before and all(not torch.equal(after[n], p) for n, p in before.items())
+    assert all(torch.equal(after[n], p) for n, p in frozen.items())
+    kls = [h["kl"] for h in trainer.state.log_history if "kl" in h]
+    assert kls[0] == 0.0 and kls[-1] > 0.0  # the policy moved away from the adapters-off reference
