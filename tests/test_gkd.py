@@ -369,3 +369,24 @@ def test_peft_config_trains_the_students_adapters_only(tmp_path):
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     assert changed == {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_a_served_teacher_of_another_tokenizer_is_aligned_like_the_local_one(tmp_path):
+    from hf_verl.rollout.hf_engine import TransformersEngine
+    from hf_verl.serve.server import RolloutServer
+
+    student_tok, teacher_tok = build_char_tokenizer(), _permuted_char_tokenizer()
+    local = _trainer(tmp_path, student_tok, teacher_tok, lmbda=1.0)
+    server = RolloutServer(TransformersEngine(local.teacher_model.eval(), teacher_tok), teacher_tok, "teacher",
+                           port=0).start()
+    try:
+        served = GKDTrainer(model=local.model, args=_config(tmp_path, lmbda=1.0, placement={"teacher": server.address}),
+                            train_dataset=_rows(), processing_class=student_tok, teacher_processing_class=teacher_tok)
+        assert served.algorithm.mode == "cross_tokenizer"
+        batch, _ = served._rollout(served.data_collator([served.train_dataset[i] for i in range(4)]))
+        got = served.algorithm.prepare(batch, served.actor, on_policy=True)
+        want = local.algorithm.prepare(batch, local.actor, on_policy=True)
+        assert torch.equal(got.batch.completion_mask, want.batch.completion_mask)
+        torch.testing.assert_close(got.teacher, want.teacher, rtol=1e-4, atol=1e-4)
+    finally:
+        server.shutdown()
