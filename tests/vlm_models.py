@@ -64,11 +64,12 @@ def build_gemma3(seed: int = 0):
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=4,
                                 chat_template=VLM_TEMPLATE.replace("IMAGE", "<start_of_image>"))
     config = Gemma3Config(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         sliding_window=64, layer_types=["sliding_attention", "full_attention"]),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           image_size=28, patch_size=14, vision_use_head=False),
+        text_config={"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "max_position_embeddings": 256, "sliding_window": 64,
+                     "layer_types": ["sliding_attention", "full_attention"]},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "image_size": 28, "patch_size": 14, "vision_use_head": False},
         mm_tokens_per_image=4, boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
         image_token_index=tok.image_token_id, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
         bos_token_id=tok.eos_token_id)
@@ -102,7 +103,8 @@ def build_llava(seed: int = 0, vision_feature_layer: int = -1):
         vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
                        "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 28, "patch_size": 14,
                        "projection_dim": 32},
-        image_token_index=tok.image_token_id, vision_feature_layer=vision_feature_layer, vision_feature_select_strategy="default",
+        image_token_index=tok.image_token_id, vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy="default",
         pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
@@ -112,9 +114,9 @@ def build_llava(seed: int = 0, vision_feature_layer: int = -1):
 
 
 def build_qwen2_vl(seed: int = 0):
-    """A tiny Qwen2-VL (text hidden 64 with multimodal RoPE sections [2, 3, 3], a 2-layer vision tower) and its tokenizer
-    with Qwen's vision tokens; no processor (Qwen2-VL's needs torchvision): :func:`qwen2_vl_prompt` lays a prompt out
-    as the processor would."""
+    """A tiny Qwen2-VL (text hidden 64 with multimodal RoPE sections [2, 3, 3], a 2-layer vision tower) and its
+    tokenizer with Qwen's vision tokens; no processor (Qwen2-VL's needs torchvision): :func:`qwen2_vl_prompt` lays a
+    prompt out as the processor would."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     tok = build_vlm_tokenizer({"vision_start_token": "<|vision_start|>", "image_token": "<|image_pad|>",
@@ -140,7 +142,9 @@ def qwen2_vl_prompt(tok, image, text: str) -> tuple[list[int], dict[str, torch.T
     """`(prompt ids, pixel inputs)` of one user turn with `image` before `text`, as `Qwen2VLProcessor` lays it out:
     the pixels from Qwen2-VL's PIL image processor (56x56 pixels: a 4x4 patch grid, 4 image tokens after merging)
     `<|image_pad|>` repeated once per merged patch, and `mm_token_type_ids` (1 on image tokens)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     pixels = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)(images=[image], return_tensors="pt")
     grid = pixels["image_grid_thw"]

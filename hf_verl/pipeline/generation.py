@@ -93,8 +93,8 @@ def generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], prompts
              batch_cls: type[RolloutBatch] = RolloutBatch,
              vision_inputs: Sequence[dict] | None = None) -> RolloutBatch:
     """Generate one completion per prompt on `engine` (see :meth:`RolloutEngine.generate`); with `vision_inputs`
-    (each prompt's pixel inputs, :mod:`hf_verl.data.vision`) through :func:`~hf_verl.rollout.vision.generate_with_images`,
-    the rows keeping them in `meta`."""
+    (each prompt's pixel inputs, :mod:`hf_verl.data.vision`) through
+    :func:`~hf_verl.rollout.vision.generate_with_images`, the rows keeping them in `meta`."""
     kwargs = {} if row_seeds is None else {"row_seeds": list(row_seeds)}
     if vision_inputs is not None:  # prompts with images: their pixel inputs in the prefill, and on the rows
         out = generate_with_images(engine, prompt_ids, vision_inputs, sampling, **kwargs)

@@ -95,7 +95,8 @@ def _decode(engine, input_ids: torch.Tensor, mask: torch.Tensor, extra: dict, sa
     if suppressed:
         kwargs["suppress_tokens"] = suppressed
     if not sampling.greedy:  # top_k=0 (not None): no fallback to the generation config's default
-        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p)
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                      min_p=sampling.min_p)
     out = engine.model.generate(**kwargs)
     generated = out.sequences[:, input_ids.shape[1] :]
     if generated.shape[1] == 0:

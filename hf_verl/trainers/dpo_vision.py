@@ -25,8 +25,9 @@ def refuse_vision_pairs(args: Any, backend: Any, dims: Any) -> None:
          "Ulysses sequence parallelism splits rows that carry image features: set sequence_parallel_size=1"),
         (bool(args.padding_free), "pairs with images are scored padded: set padding_free=False"),
         (args.truncation_mode != "keep_start", "a prompt with images is not cut: set truncation_mode='keep_start'"),
-        (bool(args.precompute_ref_log_probs), "precompute_ref_log_probs=True is not supported for vision datasets "
-         "(as in TRL): set precompute_ref_log_probs=False"),
+        (bool(args.precompute_ref_log_probs),
+         ("precompute_ref_log_probs=True is not supported for vision datasets (as in TRL): set "
+          "precompute_ref_log_probs=False")),
     ]
     for refused, reason in refusals:
         if refused:
