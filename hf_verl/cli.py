@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rollout", default="sync", choices=["sync", "async", "in-flight", "partial"],
                       help="--algo grpo|ppo: sync (each round generated with the current weights), async (the next "
                            "round generated while this one trains), in-flight (async, and weight updates land in "
-                           "the running generation) or partial (in-flight with 4 rounds generated ahead, decoded "
+                           "the running generation) or partial (in-flight with 2 rounds generated ahead, decoded "
                            "together; docs/rollout.md).")
     serve = sub.add_parser("serve", help="Serve a model for rollouts (OpenAI-compatible, versioned weight updates), "
                                          "or a reward model on vLLM's /classify route.")
@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-prompts", type=int, default=1024, help="Cap on prompts in one request.")
     serve.add_argument("--max-batch-rows", type=int, default=256,
                        help="Completions that concurrent requests sampling alike may share in one engine call.")
+    serve.add_argument("--continuous-batching", action="store_true",
+                       help="--engine transformers: decode concurrent requests in one shared loop, each request's rows "
+                            "joining and leaving it between two decode steps (for a generator that several rounds or "
+                            "trainers use at once; docs/rollout.md).")
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                        help="--engine vllm: share of GPU memory (on CPU: of host memory) vLLM reserves.")
     return parser
@@ -101,7 +105,8 @@ def run_serve(args) -> int:
     names = args.served_model_name or [args.model]
     server = RolloutServer(engine, tokenizer, names[0], host=args.host, port=args.port, token=token,
                            served_model_names=names, max_n=args.max_n, max_tokens=args.max_tokens,
-                           max_prompts=args.max_prompts, max_batch_rows=args.max_batch_rows)
+                           max_prompts=args.max_prompts, max_batch_rows=args.max_batch_rows,
+                           continuous_batching=args.continuous_batching)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

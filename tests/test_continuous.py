@@ -201,3 +201,60 @@ def test_the_facade_rolls_out_rounds_ahead():
         staleness.append(rollout.metrics.get("rollout/token_staleness_mean", 0.0))
     assert len(staleness) == 6 and 0 < max(staleness) <= 3  # rounds were served from 3 generated ahead
     assert not trainer._rounds.pending and not trainer._rounds.queued
+
+
+def test_hf_verl_serve_decodes_concurrent_requests_together_and_updates_after_them():
+    from hf_verl.rollout.remote import RemoteEngine
+    from hf_verl.serve.server import RolloutServer
+
+    tok, old = _frozen(0)
+    _, new = _frozen(1)
+    served = TransformersEngine(copy.deepcopy(old), tok)
+    served.eos_token_ids = set()
+    server = RolloutServer(served, tok, "tiny", port=0, token="t0k", continuous_batching=True).start()
+    plain = TransformersEngine(old, tok)
+    plain.eos_token_ids = set()
+    try:
+        remote = RemoteEngine(server.address, token="t0k")
+        prompts = [[tok(t).input_ids] for t in ("abc", "hello", "x")]
+        lengths = (12, 4, 8)
+        got, threads = {}, []
+        for k, (p, n) in enumerate(zip(prompts, lengths)):
+            greedy = SamplingParams(max_new_tokens=n, temperature=0.0)
+            threads.append(threading.Thread(target=lambda k=k, p=p, g=greedy: got.update({k: remote.generate(p, g)})))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for k, (p, n) in enumerate(zip(prompts, lengths)):
+            assert got[k].completion_ids == plain.generate(p, SamplingParams(max_new_tokens=n,
+                                                                            temperature=0.0)).completion_ids
+        assert served._decoder.steps < sum(lengths) - len(lengths)  # requests shared decode steps
+        # an update that is not in flight waits for the generation in progress (held at its 3rd forward)
+        greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+        forwards, reached, release, out = [0], threading.Event(), threading.Event(), {}
+
+        def hold(*_):
+            forwards[0] += 1
+            if forwards[0] == 3:
+                reached.set()
+                assert release.wait(30)
+
+        hook = served.model.register_forward_hook(hold)
+        worker = threading.Thread(target=lambda: out.update(gen=remote.generate(prompts[0], greedy)))
+        worker.start()
+        assert reached.wait(30)
+        updating = threading.Thread(target=lambda: remote.sync_weights(new.state_dict().items()))
+        updating.start()
+        deadline = time.time() + 30
+        while not server.lock._waiting:  # the upload waits for the lock's exclusive side
+            assert time.time() < deadline
+            time.sleep(0.001)
+        release.set()
+        worker.join(30)
+        updating.join(30)
+        hook.remove()
+        assert out["gen"].completion_ids == plain.generate(prompts[0], greedy).completion_ids  # all old weights
+        assert out["gen"].weight_version == 0 and served.weight_version == remote.weight_version == 1
+    finally:
+        server.shutdown()

@@ -130,8 +130,12 @@ class TransformersEngine(RolloutEngine):
             self.enable_continuous_batching()
 
     # ------------------------------------------------------------------ generation
-    def enable_continuous_batching(self) -> None:
+    def enable_continuous_batching(self, max_rows: int | None = None) -> None:
         """Decode overlapping `generate` calls in one shared loop from now on (see the class docstring).
+
+        Args:
+            max_rows (`int`, *optional*): most rows decoded together (later ones wait for a place); default
+                `batch_size`.
 
         Raises:
             ValueError: the model is trained (its mode and weights belong to the trainer) or its attention or cache
@@ -146,7 +150,7 @@ class TransformersEngine(RolloutEngine):
         if reason is not None:
             raise ValueError(f"continuous_batching is not available for {type(self.model).__name__}: {reason}.")
         if self._decoder is None:
-            self._decoder = ContinuousDecoder(self, max_rows=self.batch_size)
+            self._decoder = ContinuousDecoder(self, max_rows=max_rows or self.batch_size)
         self.continuous_batching = True
 
     def forward_context(self):

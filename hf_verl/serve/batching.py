@@ -7,6 +7,13 @@ request of equal sampling parameters, up to `max_rows` completions, and the rows
 rows, as with the engine itself. A request never waits for others to arrive: the first one of an idle server
 runs at once. Batched completions are left-padded together, so their log-probs can differ from a lone
 request's in float rounding, as between any two batch compositions.
+
+With an engine that decodes continuously (`hf-verl serve --continuous-batching`: a transformers engine whose calls
+share one decode loop, :mod:`hf_verl.rollout.continuous`), batches do not wait for each other: each runs at once
+under the shared side of the :class:`GenerationLock`, and its rows join the running decode batch at the next step,
+whatever their sampling settings; a weight update that is not in flight still takes the exclusive side, so it lands
+after every generation in progress, as without. A batch for a LoRA adapter (or any batch while adapters are
+loaded) runs alone, as before.
 """
 
 from __future__ import annotations
@@ -16,13 +23,56 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from hf_verl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class GenerationLock:
+    """The server's generation lock: `with lock:` is exclusive (a weight update, an adapter switch, a generation
+    on an engine that decodes one call at a time); `with lock.shared():` lets any number of continuous generations
+    run together. A waiting exclusive holder goes first: new shared holders wait behind it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0  # exclusive holders waiting
+
+    def __enter__(self) -> GenerationLock:
+        with self._cond:
+            self._waiting += 1
+            while self._exclusive or self._shared:
+                self._cond.wait()
+            self._waiting -= 1
+            self._exclusive = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._exclusive = False
+            self._cond.notify_all()
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock (either side)."""
+        return self._exclusive or self._shared > 0
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
 
 
 @dataclass
@@ -58,10 +108,12 @@ class RequestBatcher:
         max_rows (`int`, defaults to 256): completions per batched call; a larger request runs alone.
     """
 
-    def __init__(self, engine: RolloutEngine, lock: threading.Lock, max_rows: int = 256, adapters: Any = None) -> None:
+    def __init__(self, engine: RolloutEngine, lock: GenerationLock | threading.Lock, max_rows: int = 256,
+                 adapters: Any = None) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}.")
         self.engine, self.lock, self.max_rows = engine, lock, max_rows
+        self._workers: ThreadPoolExecutor | None = None  # continuous batches, each on its own thread
         self.adapters = adapters  # an AdapterHost: each batch runs with its adapter (or none) active
         self._queue: deque[_Job] = deque()
         self._cond = threading.Condition()
@@ -90,6 +142,8 @@ class RequestBatcher:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        if self._workers is not None:
+            self._workers.shutdown(wait=True)
 
     def _run(self) -> None:
         while True:
@@ -99,7 +153,17 @@ class RequestBatcher:
                 if not self._queue:
                     return
                 batch = self._take()
-            self._serve(batch)
+            if self._continuous(batch):
+                if self._workers is None:
+                    self._workers = ThreadPoolExecutor(64, thread_name_prefix="hf-verl-serve-continuous")
+                self._workers.submit(self._serve, batch)
+            else:
+                self._serve(batch)
+
+    def _continuous(self, batch: list[_Job]) -> bool:
+        """Whether `batch` may run beside others: a continuously decoding engine, no adapter in play."""
+        return bool(getattr(self.engine, "continuous_batching", False)) and isinstance(self.lock, GenerationLock) \
+            and batch[0].adapter is None and not (self.adapters is not None and self.adapters.names)
 
     def _take(self) -> list[_Job]:
         """The oldest job and the queued ones that sample alike (not seeded), within `max_rows`."""
@@ -117,9 +181,13 @@ class RequestBatcher:
 
     def _serve(self, batch: list[_Job]) -> None:
         try:
-            with self.lock, (self.adapters.context(batch[0].adapter) if self.adapters is not None
-                             else contextlib.nullcontext()):
-                out = self.engine.generate([p for job in batch for p in job.prompts], batch[0].sampling)
+            if self._continuous(batch):
+                with self.lock.shared():
+                    out = self.engine.generate([p for job in batch for p in job.prompts], batch[0].sampling)
+            else:
+                with self.lock, (self.adapters.context(batch[0].adapter) if self.adapters is not None
+                                 else contextlib.nullcontext()):
+                    out = self.engine.generate([p for job in batch for p in job.prompts], batch[0].sampling)
         except Exception as err:  # noqa: BLE001 (handed to the waiting requests)
             if len(batch) > 1:  # one request's failure must not fail the others: each alone
                 logger.warning("a batch of %d requests failed (%s); generating them one by one", len(batch), err)

@@ -20,7 +20,8 @@ With `stream=true` the answer is server-sent events, one chunk per choice per ge
 `choices`) only with `stream_options.include_usage`; then `data: [DONE]`. A malformed request is a 400 that
 names the field (:mod:`hf_verl.serve.errors`); a `model` other than the served names is a 404, as vLLM
 answers; requests beyond the caps on `n`, `max_tokens` and prompts are a 400 naming the cap. Concurrent
-requests that sample alike are generated in one engine call (:mod:`hf_verl.serve.batching`).
+requests that sample alike are generated in one engine call (:mod:`hf_verl.serve.batching`); with
+`continuous_batching` (`--continuous-batching`) every request's rows join one running decode loop instead.
 
 The server binds 127.0.0.1 by default and refuses another interface without a token (:mod:`hf_verl.serve.auth`).
 """
@@ -40,7 +41,7 @@ from hf_verl.rollout.base import RolloutEngine, SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 from hf_verl.serve.adapters import AdapterHost
 from hf_verl.serve.auth import TOKEN_ENV, is_loopback, read_token  # noqa: F401 (the public names of this module)
-from hf_verl.serve.batching import RequestBatcher
+from hf_verl.serve.batching import GenerationLock, RequestBatcher
 from hf_verl.serve.errors import ServeError, describe_validation_error
 from hf_verl.serve.host import UvicornHost
 from hf_verl.serve.responses import Answer, usage
@@ -91,7 +92,7 @@ class RolloutServer(UvicornHost):
                  token: str | None = None, max_upload_bytes: int = 2 * 2**30, staging_timeout_s: float = 600.0,
                  served_model_names: list[str] | None = None, max_n: int = 64, max_tokens: int = 8192,
                  max_prompts: int = 1024, max_batch_rows: int = 256, max_request_bytes: int = 64 * 2**20,
-                 body_timeout_s: float = 60.0) -> None:
+                 body_timeout_s: float = 60.0, continuous_batching: bool = False) -> None:
         if not is_loopback(host) and not token:
             raise ValueError(
                 f"refusing to serve on non-loopback host {host!r} without a token: weight updates would be open to "
@@ -106,12 +107,20 @@ class RolloutServer(UvicornHost):
             engine.tag_token_versions = True  # in-flight updates: each token's weight version (when asked)
         if isinstance(engine, TransformersEngine) and is_moe_model(engine.model):
             engine.record_routing = True  # an MoE's answers can carry their routing (return_routed_experts)
+        if continuous_batching:
+            if not isinstance(engine, TransformersEngine):
+                raise ValueError(f"--continuous-batching is the transformers engine's; {type(engine).__name__} "
+                                 "batches requests itself (vLLM does continuously): drop the flag.")
+            engine.model.requires_grad_(False)  # the served model only generates
+            engine.enable_continuous_batching(max_rows=max_batch_rows)
         self.served_model_names = list(served_model_names or [model_name])
         self.max_n, self.max_tokens, self.max_prompts = max_n, max_tokens, max_prompts
         self.token = token
         self.max_upload_bytes, self.max_request_bytes = max_upload_bytes, max_request_bytes
         self.body_timeout_s = body_timeout_s
-        self.lock = threading.Lock()  # generation and weight application never interleave
+        # generation and weight application never interleave: an update takes the lock's exclusive side; continuous
+        # generations share it (:class:`~hf_verl.serve.batching.GenerationLock`)
+        self.lock = GenerationLock()
         self.weights = WeightReceiver(engine, self.lock, staging_timeout_s)
         self.adapters = AdapterHost(engine, self.lock)
         self.batcher = RequestBatcher(engine, self.lock, max_batch_rows, adapters=self.adapters)
@@ -133,6 +142,8 @@ class RolloutServer(UvicornHost):
     def _release(self) -> None:
         self.batcher.close()
         self.weights_pool.shutdown(wait=False, cancel_futures=True)
+        if isinstance(self.engine, TransformersEngine):
+            self.engine.close()  # its continuous decode loop, if one runs
         super()._release()
 
     # ------------------------------------------------------------------ generation
