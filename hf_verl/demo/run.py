@@ -43,13 +43,15 @@ REWARD_KEY = {"grpo": "reward", "ppo": "objective/scores", "dpo": "rewards/accur
 # The RL phase's recipe on the built-in task, measured on seeds 0-9 (README.md's demo table):
 LR_WARMUP_SHARE = 0.2  # the learning rate rises linearly over this share of the steps, then falls linearly to 0
 TEMPERATURE = {"grpo": 1.0, "ppo": 0.7}  # sampling temperature of the rollouts (DPO samples nothing)
-# how GRPO / PPO rounds are generated (`--rollout`): the config settings of each mode (docs/rollout.md)
+# how GRPO / PPO rounds are generated (`--rollout`): the config settings of each mode (docs/rollout.md); the
+# asynchronous ones sample each row from its own seeded stream, so that a rerun repeats the run although the
+# rollouts are drawn on a background thread
+_ASYNC = {"use_async_rollout": True, "per_row_sampling_seed": True}
 ROLLOUT_MODES = {
     "sync": {},
-    "async": {"use_async_rollout": True, "max_staleness": 1},
-    "in-flight": {"use_async_rollout": True, "in_flight_weight_updates": True, "max_staleness": 1},
-    "partial": {"use_async_rollout": True, "in_flight_weight_updates": True, "async_rollout_depth": 4,
-                "max_staleness": 4},
+    "async": {**_ASYNC, "max_staleness": 1},
+    "in-flight": {**_ASYNC, "in_flight_weight_updates": True, "max_staleness": 1},
+    "partial": {**_ASYNC, "in_flight_weight_updates": True, "async_rollout_depth": 2, "max_staleness": 2},
 }
 PPO_POLICY_LR_SHARE = 0.5  # PPO's policy trains at this share of `learning_rate`, its critic at `learning_rate`
 
