@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+TOKEN = "benchmark-token"
 LONG = "xyz" * 100  # the pattern a long completion repeats (it has no end within the limit)
 MODES = {
     "sync": {"use_async_rollout": False},
@@ -85,6 +86,25 @@ def build_policy(out: Path, hidden: int, layers: int, long_fraction: float, seed
     tok.save_pretrained(out)
 
 
+def start_server(a) -> tuple[subprocess.Popen, str]:
+    """`hf-verl serve --continuous-batching` on the policy, one CPU thread, on a free port; returns it and its URL."""
+    import os
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, HF_VERL_SERVE_TOKEN=TOKEN, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    server = subprocess.Popen([sys.executable, "-m", "hf_verl", "serve", a.model_dir, "--port", str(port),
+                               "--continuous-batching"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ["HF_VERL_SERVE_TOKEN"] = TOKEN
+    url = f"http://127.0.0.1:{port}"
+    from hf_verl.rollout.remote import RemoteEngine
+
+    RemoteEngine(url, max_retries=40, backoff_s=0.5).model  # noqa: B018 - waits until it serves
+    return server, url
+
+
 def run(mode: str, a) -> dict:
     """One GRPO run in this process; returns samples/s after the first step and the completion statistics."""
     from _common import StepTimer, count_a
@@ -99,6 +119,10 @@ def run(mode: str, a) -> dict:
     extra = dict(MODES[mode])
     if mode.endswith("+depth"):
         extra.update(async_rollout_depth=a.depth, max_staleness=a.depth)
+    server = None
+    if a.generator == "server":
+        server, url = start_server(a)
+        extra.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=url)
     args = GRPOConfig(output_dir=f"{a.tmp}/{mode}", use_cpu=True, report_to=[], max_steps=a.steps + 1,
                       logging_steps=1, per_device_train_batch_size=a.batch, num_generations=a.group,
                       max_completion_length=a.tokens, learning_rate=1e-5, save_strategy="no", disable_tqdm=True,
@@ -106,13 +130,20 @@ def run(mode: str, a) -> dict:
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=count_a, args=args, processing_class=tok, callbacks=[timer],
                           train_dataset=Dataset.from_dict({"prompt": prompts(64) * 8}))
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
     elapsed = time.perf_counter() - timer.t0
     logs = [h for h in trainer.state.log_history if "loss" in h][1:]
     mean = lambda k: statistics.fmean(h[k] for h in logs if k in h) if any(k in h for h in logs) else float("nan")
     return {"samples_s": timer.steps * a.batch / elapsed, "mean_length": mean("completions/mean_length"),
             "max_length": max(h["completions/max_length"] for h in logs), "clipped": mean("completions/clipped_ratio"),
-            "staleness": mean("rollout/token_staleness_mean"), "reward": mean("reward")}
+            "staleness": mean("rollout/token_staleness_mean"), "reward": mean("reward"),
+            "update_s": mean("timing_s/update"), "generate_s": mean("timing_s/generate"),
+            "wait_s": mean("timing_s/rollout_wait")}
 
 
 def main() -> None:
@@ -127,6 +158,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--long-fraction", type=float, default=0.12)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--generator", default="local", choices=["local", "server"],
+                   help="local: the trainer's transformers engine (async: its copy of the actor, on a thread); server: "
+                        "`hf-verl serve --continuous-batching` in its own process, one thread (every mode)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--model-dir", default=None, help="a long-tailed policy saved by an earlier run (else built)")
     p.add_argument("--tmp", default="/tmp/hf_verl_long_tail")
@@ -152,11 +186,12 @@ def main() -> None:
             r = json.loads(line[-1][7:])
             results[mode].append(r)
             print(f"  pair {pair} {mode:22s} samples/s {r['samples_s']:7.2f}  completion mean {r['mean_length']:5.1f} "
-                  f"max {r['max_length']:4.0f} clipped {r['clipped']:.2f}  token staleness {r['staleness']:.2f}",
+                  f"max {r['max_length']:4.0f} clipped {r['clipped']:.2f}  token staleness {r['staleness']:.2f}  s/step: "
+                  f"update {r['update_s']:.3f} generate {r['generate_s']:.3f} wait {r['wait_s']:.3f}",
                   flush=True)
     base = statistics.median(r["samples_s"] for r in results[modes[0]])
-    print(f"\nbatch {a.batch} (groups of {a.group}), limit {a.tokens} tokens, {a.threads} thread(s), "
-          f"depth {a.depth}; medians of {a.pairs} runs")
+    print(f"\nbatch {a.batch} (groups of {a.group}), limit {a.tokens} tokens, {a.threads} trainer thread(s), "
+          f"generator {a.generator}, depth {a.depth}; medians of {a.pairs} runs")
     for mode in modes:
         sps = [r["samples_s"] for r in results[mode]]
         print(f"{mode:22s} samples/s {statistics.median(sps):7.2f}  x{statistics.median(sps) / base:.2f} vs "
