@@ -299,33 +299,11 @@ def test_every_field_of_trls_gkd_config_is_here_with_its_default():
 def test_ddp_student_with_an_fsdp2_teacher_over_two_processes_equals_one_process(tmp_path):
     """The same global batch (4 rows, lmbda=0) on one process and on 2 gloo processes (a DDP student, the teacher
     sharded by its own placement, FSDP2): the same logged losses and trained weights; then an on-policy step runs."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from safetensors.torch import load_file
 
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               ACCELERATE_USE_CPU="1")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    (one := tmp_path / "one").mkdir()
-    (two := tmp_path / "two").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "tests.distributed.gkd_dp", str(one)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(root / "configs" / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(port),
-                           "-m", "tests.distributed.gkd_dp", str(two)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    want, got = (json.loads((d / "result.json").read_text()) for d in (one, two))
+    from tests.one_and_two import one_and_two
+
+    want, got, one, two = one_and_two("tests.distributed.gkd_dp", "ddp_cpu", tmp_path)
     assert (want["world"], want["backend"], want["teacher_backend"]) == (1, "plain", "plain")
     assert (got["world"], got["dp_size"], got["backend"]) == (2, 2, "ddp")
     assert (got["teacher_backend"], got["teacher_param_type"]) == ("fsdp2", "DTensor")

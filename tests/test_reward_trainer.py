@@ -348,23 +348,9 @@ def test_fsdp2_over_two_processes_equals_one_process(tmp_path):
     FSDP2 (2 pairs each): the same logged losses and metrics, and the same trained weights."""
     from safetensors.torch import load_file
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               ACCELERATE_USE_CPU="1")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    (one := tmp_path / "one").mkdir()
-    (two := tmp_path / "two").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "tests.distributed.reward_dp", str(one)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(ROOT / "configs" / "accelerate" / "fsdp2_cpu.yaml"), "--main_process_port", str(port),
-                           "-m", "tests.distributed.reward_dp", str(two)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    want, got = (json.loads((d / "result.json").read_text()) for d in (one, two))
+    from tests.one_and_two import one_and_two
+
+    want, got, one, two = one_and_two("tests.distributed.reward_dp", "fsdp2_cpu", tmp_path)
     assert (want["world"], want["dp_size"]) == (1, 1)
     assert (got["world"], got["dp_size"], got["backend"], got["param_type"]) == (2, 2, "fsdp2", "DTensor")
     assert len(got["losses"]) == 4
