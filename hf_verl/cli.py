@@ -159,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "demo" and args.algo == "distill":
-        from hf_verl.demo.run import run_demo
+        from hf_verl.demo.entry import run_demo
 
         print_summary(run_demo(args.output_dir, algo="distill", seed=args.seed, rl_seconds=args.rl_seconds,
                                num_threads=args.threads, model_name=args.model, dataset_name=args.dataset))
     elif args.command == "demo":
-        from hf_verl.demo.run import run_demo
+        from hf_verl.demo.entry import run_demo
 
         result = run_demo(args.output_dir, algo=args.algo, model_name=args.model, dataset_name=args.dataset,
                           seed=args.seed, rl_seconds=args.rl_seconds, max_steps=args.max_steps,

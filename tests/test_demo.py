@@ -38,7 +38,7 @@ def test_moving_average_is_a_trailing_mean():
 
 
 def test_unknown_algo_is_refused():
-    from hf_verl.demo.run import run_demo
+    from hf_verl.demo.entry import run_demo
 
     with pytest.raises(ValueError, match="--algo must be one of"):
         run_demo("/tmp/unused", algo="sft")
@@ -49,7 +49,7 @@ def tiny_run(tmp_path_factory):
     """A whole demo run, shrunk to seconds (2 GRPO steps of 2 prompts x 2 completions, a 1-step warm-up)."""
     import torch
 
-    from hf_verl.demo.run import run_demo
+    from hf_verl.demo.entry import run_demo
 
     root = tmp_path_factory.mktemp("demo")
     threads = torch.get_num_threads()

@@ -15,7 +15,7 @@ def test_the_demo_offers_distill():
 
 
 def test_distill_refuses_a_model_of_the_users():
-    from hf_verl.demo.run import run_demo
+    from hf_verl.demo.entry import run_demo
 
     with pytest.raises(ValueError, match="built-in task and models"):
         run_demo("/tmp/unused", algo="distill", model_name="org/model")
@@ -26,7 +26,8 @@ def test_distill_demo_lifts_the_student_across_tokenizers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_verl.demo.distill import build_student_tokenizer
-    from hf_verl.demo.run import greedy_accuracy, run_demo
+    from hf_verl.demo.entry import run_demo
+    from hf_verl.demo.run import greedy_accuracy
     from hf_verl.demo.task import build_char_tokenizer, make_split
 
     result = run_demo(str(tmp_path), algo="distill", disable_tqdm=True)

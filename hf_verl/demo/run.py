@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_verl.demo.outputs import MODEL_DIR, new_run_dir, point_latest, save_trained_model
+from hf_verl.demo.outputs import (
+    MODEL_DIR,
+    new_run_dir,
+    point_latest,
+    save_trained_model,
+)
 from hf_verl.demo.task import build_char_tokenizer, make_split, reverse_reward
 
 logger = logging.getLogger(__name__)
@@ -269,30 +274,6 @@ def _plot_rewards(history: list[dict], path: str, key: str = "reward", algo: str
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def run_demo(output_dir: str, *, num_threads: int | None = None, **kwargs) -> DemoResult:
-    """[`demo_run_body`] with torch's CPU threads set for the run (and restored after it).
-
-    `num_threads=None` means 1 for the built-in model: its figures then do not depend on the machine's core count
-    (the thread count changes float reductions, and 500 RL steps amplify the difference), and a single thread
-    does not spin against other work on a shared machine. With `model_name` (a real model) None keeps torch's
-    default. `kwargs` are [`demo_run_body`]'s.
-    """
-    if num_threads is None and kwargs.get("model_name") is None:
-        num_threads = 1
-    previous = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-        logger.info("torch CPU threads for this run: %d", num_threads)
-    try:
-        if kwargs.get("algo") == "distill":  # on-policy distillation: hf_verl/demo/distill.py
-            from hf_verl.demo.distill import distill_run_body
-
-            return distill_run_body(output_dir, **{k: v for k, v in kwargs.items() if k != "algo"})
-        return demo_run_body(output_dir, **kwargs)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def demo_run_body(output_dir: str, *, algo: str = "grpo", model_name: str | None = None,

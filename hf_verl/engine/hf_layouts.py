@@ -34,6 +34,11 @@ from hf_verl.data.prefix_sharing import (
     sharing_cost,
 )
 from hf_verl.engine.parts.scoring import TokenStats
+from hf_verl.engine.positions import (  # noqa: F401 (importable from here too)
+    position_ids_from_mask,
+    rollout_positions,
+    scatter_completion,
+)
 from hf_verl.engine.vision import has_vision_inputs, vision_logprobs
 from hf_verl.moe.metrics import routing_metrics
 from hf_verl.moe.routing import RoutingTap
@@ -59,20 +64,6 @@ def packing_pays(attention_mask: torch.Tensor, hidden_size: int) -> bool:
     return padding_per_row >= max(PACK_MIN_PADDING_PER_ROW, PACK_ROW_COST / max(hidden_size, 1))
 
 
-def rollout_positions(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(input_ids, attention_mask, select, targets)` of a rollout batch: the position before each
-    completion token of `completion_mask` is selected, and its target is that token. The attention
-    mask (and so the positions) is `batch.attention_mask`, which covers tokens attended but not
-    selected (a multi-turn rollout's tool observations, `completion_attention_mask`)."""
-    input_ids, mask = batch.input_ids, batch.attention_mask
-    P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
-    select = torch.zeros_like(mask, dtype=torch.bool)
-    targets = torch.zeros_like(input_ids)
-    select[:, P - 1 : P + C - 1] = batch.completion_mask.bool()
-    targets[:, P - 1 : P + C - 1] = batch.completion_ids
-    return input_ids, mask, select, targets
-
-
 def select_positions(hidden: torch.Tensor, targets: torch.Tensor | None,
                      select: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(hidden[select], targets[select])` for a boolean `(B, T)` mask; for a `(N,)` index of flat positions into
@@ -83,13 +74,6 @@ def select_positions(hidden: torch.Tensor, targets: torch.Tensor | None,
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, select), targets
 
 
-def scatter_completion(batch: RolloutBatch, flat: torch.Tensor) -> torch.Tensor:
-    """`(B, C)` tensor with `flat` (one value per real completion token, row-major) in place, 0 elsewhere."""
-    out = flat.new_zeros(batch.completion_mask.shape)
-    out[batch.completion_mask.bool()] = flat
-    return out
-
-
 def packed_routing(batch: RolloutBatch, length: int) -> torch.Tensor:
     """A rollout's routing record in the packed layout (:func:`~hf_verl.data.packing.pack_rollout`): the real
     tokens of every row in order, then -1 for the padding tail up to `length`; `(length, layers, top_k)`."""
@@ -97,11 +81,6 @@ def packed_routing(batch: RolloutBatch, length: int) -> torch.Tensor:
     record = batch.routed_experts[real]
     tail = record.new_full((length - record.shape[0], *record.shape[1:]), -1)
     return torch.cat([record, tail])
-
-
-def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only (left padding does not shift them)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 class HFLayouts:

@@ -14,6 +14,11 @@ import torch
 
 from hf_verl.data.batch import RolloutBatch
 from hf_verl.data.vision import VISION_INPUTS, collate_vision_inputs
+from hf_verl.engine.positions import (
+    position_ids_from_mask,
+    rollout_positions,
+    scatter_completion,
+)
 
 
 def has_vision_inputs(batch) -> bool:
@@ -42,12 +47,6 @@ def vision_logprobs(engine, batch: RolloutBatch, *, temperature: float, chunk_si
                     with_aux_loss: bool):
     """`(B, C)` log-probs (and entropy, and aux loss when asked) of a rollout whose rows carry pixel inputs, as
     :meth:`~hf_verl.engine.hf_layouts.HFLayouts.logprobs` returns them."""
-    from hf_verl.engine.hf_layouts import (
-        position_ids_from_mask,
-        rollout_positions,
-        scatter_completion,
-    )
-
     check_vision_layout(engine)
     input_ids, mask, select, targets = rollout_positions(batch)
     inputs = collate_vision_inputs(batch.meta[VISION_INPUTS], prompt_width=batch.prompt_ids.shape[1],
