@@ -38,6 +38,7 @@ from hf_verl.rollout.base import (
     RolloutEngine,
     SamplingParams,
 )
+from hf_verl.rollout.direct_decode import DirectDecoder, unsupported_reason
 from hf_verl.rollout.sampling import sample_next
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ class TransformersEngine(RolloutEngine):
             generates (asynchronous rollout's copy of the actor, a server), where several calls overlap. `batch_size`
             then caps the rows decoded together. Calls that need `generate`, stop strings, a repetition penalty or
             routing records decode alone, one at a time.
+        direct_decode (`bool`, defaults to `True`): the lean loop's decode steps compute straight from the weights of
+            a Llama / Mistral / Qwen2 / Qwen3 model into caches allocated once per generation
+            (:mod:`hf_verl.rollout.direct_decode`; the same logits, bit for bit); other models, and models it
+            declines, run their own forward.
     """
 
     supports_in_flight_updates = True  # sync_weights may run while generate decodes (between two steps)
@@ -94,8 +99,9 @@ class TransformersEngine(RolloutEngine):
     def __init__(self, model, tokenizer, *, batch_size: int | None = None,
                  use_generate: bool = False, cache_implementation: str | None = None,
                  generate_kwargs: dict | None = None, autocast_dtype: torch.dtype | None = None,
-                 continuous_batching: bool = False) -> None:
+                 continuous_batching: bool = False, direct_decode: bool = True) -> None:
         super().__init__()
+        self.direct_decode = direct_decode
         self.autocast_dtype = autocast_dtype
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}.")
@@ -125,6 +131,7 @@ class TransformersEngine(RolloutEngine):
         self._step_versions: list = []  # the policy version of the forward behind each sampled token, last chunk
         self._call_lock = threading.Lock()  # with continuous batching, calls outside the shared loop run one at a time
         self._decoder = None
+        self._direct_declined: str | None = None  # the last reason the direct decoder gave (logged once)
         self.continuous_batching = False
         if continuous_batching:
             self.enable_continuous_batching()
@@ -356,6 +363,7 @@ class TransformersEngine(RolloutEngine):
         # one query per step: the mask is the keys' padding mask, handed to sdpa as it is instead of being rebuilt
         # by transformers every step (a 4-D mask is taken as prepared); other kernels and sliding windows need theirs
         prepared = _takes_prepared_mask(self.model)
+        direct = self._direct_decoder(cache, mask, sampling.max_new_tokens)
         for t in range(sampling.max_new_tokens):
             next_ids, lps = sample_next(logits, sampling, generator=generator, prev_ids=seq if needs_prev else None,
                                         prev_mask=mask if needs_prev else None)
@@ -376,11 +384,26 @@ class TransformersEngine(RolloutEngine):
                 pass
             with self._weights_lock:
                 version = self.weight_version
+                if direct is not None:
+                    logits = direct.step(next_ids, position_ids)
+                    continue
                 out = self.model(input_ids=next_ids[:, None], attention_mask=mask.bool()[:, None, None, :]
                                  if prepared else mask, position_ids=position_ids, past_key_values=cache,
                                  use_cache=True, logits_to_keep=1)
             logits, cache = out.logits[:, -1].float(), out.past_key_values
         return torch.stack(step_ids, dim=1), torch.stack(step_lps, dim=1)
+
+    def _direct_decoder(self, cache, mask, max_new_tokens: int) -> DirectDecoder | None:
+        """The direct decoder for this generation's steps, or `None` when the model's forward runs them."""
+        if not self.direct_decode:
+            return None
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            if self._direct_declined != reason:
+                logger.info("decode steps run %s's own forward: %s", type(self.model).__name__, reason)
+                self._direct_declined = reason
+            return None
+        return DirectDecoder(self.model, cache, mask, max_new_tokens)
 
     def _prefill(self, input_ids, mask, position_ids):
         """Prompt forward, once per distinct prompt (GRPO groups repeat each prompt): the KV cache
