@@ -7,13 +7,16 @@ on the server's disk) and `/v1/unload_lora_adapter`, both behind the token; a re
 generated with it, one naming the served model without it.
 """
 
+import copy
 import json
+import logging
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import TrainerCallback
 
 from hf_verl.rollout.base import SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
@@ -67,7 +70,8 @@ def test_grpo_with_a_lora_actor_syncs_only_the_adapters(tmp_path, monkeypatch):
         actor = trainer.model
         adapter_bytes = sum(p.numel() * p.element_size() for n, p in actor.named_parameters() if "lora_" in n)
         full_bytes = sum(p.numel() * p.element_size() for n, p in actor.named_parameters() if "lora_" not in n)
-        assert trainer.engine.last_sync_stats == {"adapter_bytes": adapter_bytes} and adapter_bytes < full_bytes / 20
+        assert trainer.engine.last_sync_stats == {"adapter_bytes": adapter_bytes, "base_bytes": 0}
+        assert adapter_bytes < full_bytes / 20
         assert trainer.engine.model == "default" and server.adapters.names == ["default"]
         served = server.engine.model
         for name, p in actor.state_dict().items():  # the base and the adapters, under the PEFT names
@@ -124,5 +128,132 @@ def test_adapter_sync_is_refused_where_it_cannot_run():
     actor = make_engine(_model(tok, 0), "actor", RoleLayout(BackendSpec(), ParallelDims()), trainable=False)
     engine = TransformersEngine(_model(tok, 1), tok)
     engine.weight_sync_mode = "adapter"
-    with pytest.raises(ValueError, match="weight_sync='adapter' needs a rollout engine that loads LoRA adapters"):
+    with pytest.raises(ValueError, match="weight_sync='adapter' needs a PEFT LoRA actor"):
         sync_weights(actor, engine)
+    saving = get_peft_model(_model(tok, 0), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    actor = make_engine(saving, "actor", RoleLayout(BackendSpec(), ParallelDims()), trainable=False)
+    with pytest.raises(ValueError, match="sends the LoRA tensors only, but the actor also trains"):
+        sync_weights(actor, engine)
+
+
+# ---------------------------------------------------------------------- into the transformers engine's own model
+LORA = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def _parts(model, lora):
+    from hf_verl.parallel.weight_export import iter_weight_buckets
+
+    return [pair for part in iter_weight_buckets(model, lora=lora) for pair in part]
+
+
+def test_the_transformers_engine_takes_the_base_once_then_adapters_in_flight():
+    """A plain model (a replica) gets the base and the adapter, then generates as the PEFT actor; a later adapter
+    sync lands between two decode steps of a running generation."""
+    from tests.test_in_flight import update_while_held
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(3)
+    actor = get_peft_model(_model(tok, 0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False))
+    config = actor.peft_config["default"].to_dict()
+    served = TransformersEngine(_model(tok, 1), tok)
+    served.eos_token_ids = set()
+    served.sync_adapter("default", config, _parts(actor, "base"), _parts(actor, "adapter"))
+    assert isinstance(served.model, PeftModel) and served.weight_version == 1
+    for name, p in actor.state_dict().items():
+        assert torch.equal(served.model.state_dict()[name], p), name
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    prompt = [tok("abc").input_ids]
+    before = TransformersEngine(actor, tok).generate(prompt, greedy).completion_ids[0]
+    assert served.generate(prompt, greedy).completion_ids[0] == before
+    with torch.no_grad():
+        for n, p in actor.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-3.0)
+    served.tag_token_versions = True
+    held = 3
+    out = update_while_held(served, held, lambda: served.generate(prompt, greedy),
+                            lambda: served.sync_adapter("default", config, None, _parts(actor, "adapter")))
+    assert out.extra["token_versions"] == [[1] * held + [2] * (10 - held)]
+    assert out.completion_ids[0][:held] == before[:held]
+    served.tag_token_versions = False
+    after = TransformersEngine(actor, tok).generate(prompt, greedy).completion_ids[0]
+    assert served.generate(prompt, greedy).completion_ids[0] == after != before
+    with pytest.raises(ValueError, match="no tensor 'nope'"):
+        served.sync_adapter("default", config, None, [("nope", torch.zeros(1))])
+
+
+def _async_grpo(tmp_path, tok, weight_sync, **kw):
+    from datasets import Dataset
+
+    from hf_verl.trainers.grpo_trainer import GRPOTrainer
+    from tests.test_grpo_trainer import _args, count_a
+
+    args = _args(tmp_path / weight_sync, max_steps=3, use_async_rollout=True, weight_sync=weight_sync,
+                 learning_rate=5e-2, seed=0, per_row_sampling_seed=True, **kw)
+    return GRPOTrainer(model=_model(tok, 0), reward_funcs=count_a, args=args, processing_class=tok, peft_config=LORA,
+                       train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}))
+
+
+class _CopyEngines(TrainerCallback):
+    """Keeps the actor copy asynchronous rollout generated on (the trainer frees it when training ends)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.engine, self.continuous = trainer, None, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.engine = self.trainer._async_engine or self.engine
+        self.continuous.append(self.engine is not None and self.engine.continuous_batching)
+
+
+def _adapter_syncs(caplog):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("adapter weight sync")]
+
+
+@pytest.mark.slow
+def test_async_grpo_syncs_only_the_adapters_into_the_actor_copy(tmp_path, caplog):
+    """Asynchronous rollout with a LoRA actor: the copy keeps the base unmerged and each sync copies the adapters
+    only; the losses equal a merged-sync run's, and the copy ends generating as the actor's merged model."""
+    from hf_verl.pipeline.sync import sync_weights
+
+    tok = build_char_tokenizer()
+    merged = _async_grpo(tmp_path, tok, "auto")
+    merged.train()
+    with caplog.at_level(logging.DEBUG, logger="hf_verl.pipeline.sync"):
+        trainer = _async_grpo(tmp_path, tok, "adapter")
+        seen = _CopyEngines(trainer)
+        trainer.add_callback(seen)
+        trainer.train()
+        actor_copy = seen.engine
+        assert isinstance(actor_copy.model, PeftModel) and actor_copy.weight_sync_mode == "adapter"
+        sync_weights(trainer.actor, actor_copy)  # to the last step's weights
+    actor = trainer.model
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in actor.named_parameters() if "lora_" in n)
+    syncs = _adapter_syncs(caplog)
+    assert len(syncs) >= 2 and set(syncs) == {f"adapter weight sync: {adapter_bytes} adapter bytes, 0 base bytes"}
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (trainer, merged)]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], abs=1e-5)
+    for name, p in actor.state_dict().items():  # the base unmerged, the adapters the actor's
+        assert torch.equal(actor_copy.model.state_dict()[name], p), name
+    reference = TransformersEngine(copy.deepcopy(actor).merge_and_unload(), tok)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    prompts = [tok("abc").input_ids, tok("hello").input_ids]
+    assert actor_copy.generate(prompts, greedy).completion_ids == reference.generate(prompts, greedy).completion_ids
+
+
+@pytest.mark.slow
+def test_in_flight_grpo_with_continuous_batching_syncs_only_the_adapters(tmp_path, caplog):
+    tok = build_char_tokenizer()
+    with caplog.at_level(logging.DEBUG, logger="hf_verl.pipeline.sync"):
+        trainer = _async_grpo(tmp_path, tok, "adapter", in_flight_weight_updates=True, async_rollout_depth=2,
+                              max_staleness=2, max_completion_length=12)
+        seen = _CopyEngines(trainer)
+        trainer.add_callback(seen)
+        trainer.train()
+    actor_copy = seen.engine
+    assert any(seen.continuous) and isinstance(actor_copy.model, PeftModel)  # rounds decoded together
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" in n)
+    syncs = _adapter_syncs(caplog)
+    assert len(syncs) >= 2 and set(syncs) == {f"adapter weight sync: {adapter_bytes} adapter bytes, 0 base bytes"}
+    served = [h for h in trainer.state.log_history if "rollout/token_version_spread" in h]
+    assert served and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)

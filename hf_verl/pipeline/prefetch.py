@@ -4,8 +4,9 @@
 generates with the actor's own parameter tensors (the default
 :class:`~hf_verl.rollout.hf_engine.TransformersEngine` on an unsharded actor), a second engine on
 a frozen copy of the actor: the optimizer mutates the actor in place, so a generation running on
-it while the actor steps would read half-updated weights. The copy (PEFT adapters merged into it)
-costs one more set of the actor's weights, no gradients or optimizer state; it is made the first
+it while the actor steps would read half-updated weights. The copy (PEFT adapters merged into it; with
+`weight_sync="adapter"` left unmerged, and each sync then copies the adapters only) costs one more set of the actor's
+weights, no gradients or optimizer state; it is made the first
 time a prefetch needs it and brought to the actor's weights on the main thread just before each
 generation, never while one is in flight. Engines with their own weights (a server, vLLM, a
 transformers engine on a replica of a sharded actor) are used as they are; the front-end defers
@@ -31,20 +32,21 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from hf_verl.engine.base import TrainingEngine
-from hf_verl.pipeline.sync import shares_actor_weights, sync_weights
+from hf_verl.pipeline.sync import holds_adapter_base, shares_actor_weights, sync_weights
 from hf_verl.rollout.base import RolloutEngine
 from hf_verl.rollout.hf_engine import TransformersEngine
 
 logger = logging.getLogger(__name__)
 
 
-def frozen_copy(model):
-    """A detached eval-mode copy of an *unsharded* model, PEFT adapters merged into a plain model."""
+def frozen_copy(model, keep_adapters: bool = False):
+    """A detached eval-mode copy of an *unsharded* model, PEFT adapters merged into a plain model (with
+    `keep_adapters`, left unmerged beside the base: adapter-only weight sync)."""
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise ValueError("the model is already partitioned by DeepSpeed ZeRO-3 (loaded under deepspeed.zero.Init): "
                          "hf_verl partitions every role itself; load the model without zero.Init.")
     out = copy.deepcopy(model)
-    if hasattr(out, "merge_and_unload"):
+    if hasattr(out, "merge_and_unload") and not keep_adapters:
         out = out.merge_and_unload()
     out.eval().requires_grad_(False)
     for p in out.parameters():
@@ -75,13 +77,18 @@ class RolloutPrefetcher:
         if self.copy_engine is None:
             self.wait_idle()
             t0 = time.perf_counter()
-            model = frozen_copy(actor.rollout_model())
+            adapters = getattr(engine, "weight_sync_mode", "auto") == "adapter"  # base once, adapters each sync
+            model = frozen_copy(actor.rollout_model(), keep_adapters=adapters)
             self.copy_engine = TransformersEngine(model, engine.tokenizer, batch_size=engine.batch_size,
                                                   use_generate=engine.use_generate,
                                                   cache_implementation=engine.cache_implementation,
                                                   generate_kwargs=engine.generate_kwargs,
                                                   autocast_dtype=engine.autocast_dtype)
             self.copy_engine.eos_token_ids = set(engine.eos_token_ids)
+            if adapters:  # (an actor without adapters is refused at the first sync)
+                self.copy_engine.weight_sync_mode = "adapter"
+                if hasattr(model, "active_adapter"):
+                    holds_adapter_base(self.copy_engine, model.active_adapter)
             self.copy_step = step
             n = sum(p.numel() for p in model.parameters())
             logger.info("async rollout: generating on a copy of the actor (%.1fM parameters, made in %.2fs); "

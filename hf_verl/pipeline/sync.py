@@ -113,35 +113,53 @@ def _json_safe(value):
     return value
 
 
+def holds_adapter_base(engine: RolloutEngine, name: str) -> None:
+    """Record that `engine` already holds the actor's base weights and its LoRA adapter `name` (asynchronous
+    rollout's copy of a PEFT actor, made in this process with its adapters unmerged): its adapter-only syncs send the
+    adapters alone from the first one."""
+    _ADAPTER_SENT[engine] = name
+
+
 def _sync_adapter(actor: TrainingEngine, engine: RolloutEngine, bucket: int, send: bool = True) -> None:
     """`weight_sync="adapter"`: a PEFT actor's base weights once, then only its LoRA adapters (see
-    :meth:`~hf_verl.rollout.remote.RemoteEngine.sync_adapter`).
+    :meth:`~hf_verl.rollout.remote.RemoteEngine.sync_adapter` and
+    :meth:`~hf_verl.rollout.hf_engine.TransformersEngine.sync_adapter`). `engine.last_sync_stats` holds the bytes of
+    each part sent.
 
     Raises:
-        ValueError: an engine that takes no adapters, or an actor without LoRA adapters.
+        ValueError: an engine that takes no adapters, an actor without LoRA adapters, or an actor that trains
+            weights other than its adapters (`modules_to_save`: they would never reach the engine).
     """
     from hf_verl.parallel.weight_export import unwrap_model
+    from hf_verl.rollout.adapters import is_lora_key
 
     if not getattr(engine, "accepts_adapters", False):
         raise ValueError(f"weight_sync='adapter' needs a rollout engine that loads LoRA adapters (hf-verl serve through "
-                         f"the remote engine); {type(engine).__name__} does not: set weight_sync='auto' (merged "
-                         "weights).")
+                         f"the remote engine, the transformers engine); {type(engine).__name__} does not: set "
+                         "weight_sync='auto' (merged weights).")
     model = unwrap_model(actor.model)
     if not hasattr(model, "peft_config"):
         raise ValueError(f"weight_sync='adapter' needs a PEFT LoRA actor (peft_config=...); the actor is a "
                          f"{type(model).__name__}: set weight_sync='auto'.")
+    trained = [n for n, p in model.named_parameters()
+               if (p.requires_grad and not is_lora_key(n)) or ".modules_to_save." in n]
+    if trained:
+        raise ValueError(f"weight_sync='adapter' sends the LoRA tensors only, but the actor also trains {trained[:3]} "
+                         "(modules_to_save?): set weight_sync='auto' (merged weights), or train the adapters alone.")
     name = model.active_adapter
     config = _json_safe({k: v for k, v in model.peft_config[name].to_dict().items() if v is not None})
     first = engine not in _ADAPTER_SENT
-    base = (pair for part in actor.export_weights(bucket, lora="base") for pair in part) if first else None
-    sent = []
+    sent = {"adapter_bytes": 0, "base_bytes": 0}
 
-    def counted(pairs):
+    def counted(pairs, part):
         for name_, tensor in pairs:
-            sent.append(tensor.numel() * tensor.element_size())
+            sent[part] += tensor.numel() * tensor.element_size()
             yield name_, tensor
 
-    adapter = counted(pair for part in actor.export_weights(bucket, lora="adapter") for pair in part)
+    base = counted((pair for part in actor.export_weights(bucket, lora="base") for pair in part),
+                   "base_bytes") if first else None
+    adapter = counted((pair for part in actor.export_weights(bucket, lora="adapter") for pair in part),
+                      "adapter_bytes")
     if send:
         engine.sync_adapter(name, config, base, adapter)
     elif not actor.holds_full_weights:  # gathering is collective: walk what the main rank sends
@@ -150,4 +168,5 @@ def _sync_adapter(actor: TrainingEngine, engine: RolloutEngine, bucket: int, sen
         for _ in adapter:
             pass
     _ADAPTER_SENT[engine] = name
-    engine.last_sync_stats = {"adapter_bytes": sum(sent)}
+    engine.last_sync_stats = sent
+    logger.debug("adapter weight sync: %d adapter bytes, %d base bytes", sent["adapter_bytes"], sent["base_bytes"])

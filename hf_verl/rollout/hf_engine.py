@@ -564,3 +564,34 @@ class TransformersEngine(RolloutEngine):
             self._bump_version()  # inside the lock: a decode step sees new weights and their version together
         logger.debug("sync_weights: copied %d of %d tensors; weight_version=%d",
                      copied, seen, self.weight_version)
+
+    # ------------------------------------------------------------------ LoRA adapters (adapter-only weight sync)
+    accepts_adapters = True
+    """`weight_sync="adapter"` writes a PEFT actor's adapters into this engine's own model (:meth:`sync_adapter`)."""
+
+    def sync_adapter(self, name: str, config: dict, base: Iterable[tuple[str, torch.Tensor]] | None,
+                     adapter: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Adapter-only weight sync into this engine's model (:mod:`hf_verl.rollout.adapters`), then one version bump.
+
+        Applied between two decode steps, like :meth:`sync_weights`, so it may land in a running generation.
+
+        Args:
+            name (`str`): the adapter's name (the actor's active PEFT adapter).
+            config (`dict`): its `LoraConfig` as a dict; the adapter is created from it the first time (the model is
+                wrapped by PEFT if it is a plain model).
+            base (`Iterable[tuple[str, torch.Tensor]]`, *optional*): the actor's base weights, unmerged, under the
+                plain model's names; `None` when the model holds them already (every sync after the first).
+            adapter (`Iterable[tuple[str, torch.Tensor]]`): the adapter's tensors under the PEFT model's names.
+
+        Raises:
+            ValueError: a name the model does not have, or a shape that differs.
+        """
+        from hf_verl.rollout.adapters import base_targets, copy_named, with_lora_adapter
+
+        with torch.no_grad(), self._turnstile, self._weights_lock:
+            base_bytes = 0 if base is None else copy_named(base_targets(self.model), base, "the base model")
+            self.model = with_lora_adapter(self.model, name, config)
+            adapter_bytes = copy_named(self.model.state_dict(keep_vars=True), adapter, f"adapter {name!r}")
+            self._bump_version()
+        logger.debug("sync_adapter: %d adapter bytes, %d base bytes; weight_version=%d", adapter_bytes, base_bytes,
+                     self.weight_version)
