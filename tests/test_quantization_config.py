@@ -1,7 +1,9 @@
 """`quantization_config` on GRPOTrainer and DPOTrainer (QLoRA, TRL 1.16's argument): where it goes, and the errors
-at construction, before any weight loads, where the run cannot use it (this CPU machine, a sharded layout, vLLM)."""
+at construction, before any weight loads, where the run cannot use it (no bitsandbytes, a sharded layout, vLLM or a
+server generator, asynchronous rollout without adapter-only sync). QLoRA training itself: tests/test_qlora.py."""
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -85,15 +87,16 @@ def test_a_model_object_cannot_be_quantized_grpo_warns_dpo_refuses(tmp_path, cap
 
 # ---------------------------------------------------------------------- refused at construction, before loading
 @pytest.mark.parametrize("make", [_grpo, _dpo], ids=["grpo", "dpo"])
-def test_qlora_on_this_cpu_fails_at_construction_naming_what_to_do(tmp_path, make):
-    with pytest.raises(RuntimeError, match="GPUs only, and this run is on the CPU") as err:
+def test_qlora_without_bitsandbytes_fails_at_construction_naming_what_to_do(tmp_path, make, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` fails, as where it is missing
+    with pytest.raises(ImportError, match="bitsandbytes does not import") as err:
         make(tmp_path, quantization_config=QLORA, peft_config=LORA)
     message = str(err.value)
     assert "4-bit bitsandbytes base" in message and "pip install bitsandbytes" in message
     assert "keep peft_config and drop quantization_config" in message  # LoRA without quantization
     # given through model_init_kwargs (TRL's other place), the same check
     args = (_grpo_args if make is _grpo else _dpo_args)(tmp_path, model_init_kwargs={"quantization_config": QLORA})
-    with pytest.raises(RuntimeError, match="GPUs only"):
+    with pytest.raises(ImportError, match="bitsandbytes does not import"):
         make(tmp_path, args=args, peft_config=LORA)
 
 
@@ -102,6 +105,12 @@ def test_a_quantized_base_needs_adapters_a_whole_model_layout_and_no_vllm(tmp_pa
         _grpo(tmp_path, quantization_config=QLORA)
     with pytest.raises(ValueError, match="use_vllm=True with a quantized base.*use_vllm=False"):
         _grpo(tmp_path, args=_grpo_args(tmp_path, use_vllm=True), quantization_config=QLORA, peft_config=LORA)
+    with pytest.raises(ValueError, match="placement\\['generator'\\] with a quantized base"):
+        _grpo(tmp_path, args=_grpo_args(tmp_path, placement={"generator": "http://127.0.0.1:1"}),
+              quantization_config=QLORA, peft_config=LORA)
+    with pytest.raises(ValueError, match="use_async_rollout=True with a quantized base needs weight_sync='adapter'"):
+        _grpo(tmp_path, args=_grpo_args(tmp_path, use_async_rollout=True), quantization_config=QLORA,
+              peft_config=LORA)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     with pytest.raises(ValueError, match="with fsdp2 .* not supported.*one process or with DDP"):

@@ -60,7 +60,12 @@ def load_pretrained(model_id: str, model_init_kwargs: dict | None = None, *, tru
     kwargs.setdefault("trust_remote_code", trust_remote_code)
     if auto_class is None:
         auto_class = _image_text_class(model_id, kwargs["trust_remote_code"]) or AutoModelForCausalLM
-    return auto_class.from_pretrained(model_id, **kwargs)
+    model = auto_class.from_pretrained(model_id, **kwargs)
+    if kwargs.get("quantization_config") is not None:  # QLoRA: its 4-bit layers must stay trainable on the CPU
+        from hf_verl.trainers.quantization import keep_kbit_layers_trainable
+
+        keep_kbit_layers_trainable(model)
+    return model
 
 
 def _image_text_class(model_id: str, trust_remote_code: bool):

@@ -5,16 +5,18 @@ inside `args.model_init_kwargs`, not both. It applies when the model is given by
 k-bit quantized by bitsandbytes, and with `peft_config` only the adapters train (QLoRA). Given a model object, a
 GRPO run warns that the argument is ignored and a DPO run refuses it, as in TRL.
 
-What TRL leaves to fail later is checked here, at construction, naming what to change: the run must be on a GPU
-and bitsandbytes must import and support it, a quantized base needs adapters to train (`peft_config`), and the
-layout must keep whole models: one process or DDP. FSDP2 and DeepSpeed would shard the packed k-bit weights, and a
-vLLM or server rollout engine would be sent them after each step, so those are refused. Nothing is ever quantized
-by hf_verl itself: bitsandbytes does it inside `from_pretrained`.
+What TRL leaves to fail later is checked here, at construction, naming what to change: bitsandbytes must import and
+support the run's device, a quantized base needs adapters to train (`peft_config`), and the layout must keep whole
+models: one process or DDP. FSDP2 and DeepSpeed would shard the packed k-bit weights, and a vLLM or server rollout
+engine would be sent them, so those are refused; asynchronous rollout generates on a copy of the actor that only
+adapter-only sync can keep in step (`weight_sync="adapter"`: the base stays quantized, nothing is merged). Nothing is
+ever quantized by hf_verl itself: bitsandbytes does it inside `from_pretrained`.
 
-Why not on the CPU, although bitsandbytes 0.50 ships CPU kernels: measured with bitsandbytes 0.50.2 on an
-AVX512-BF16 CPU, its 4-bit layers repack their weights into an inference-only layout at the first forward without
-gradients (a generation, a reference or evaluation pass) and keep it, and the next training forward then fails
-inside bitsandbytes. A GRPO step generates before it trains, so QLoRA RL cannot run there.
+On the CPU (bitsandbytes 0.50 ships CPU kernels; 4-bit and 8-bit QLoRA GRPO and DPO are tested on this machine): on
+a CPU with AVX512-BF16, bitsandbytes' 4-bit layers repack their weights into an inference-only layout at the first
+forward without gradients in eval mode (a generation, a reference or evaluation pass) and keep it, and the next
+training forward then fails inside bitsandbytes (measured with 0.50.2). :func:`keep_kbit_layers_trainable` turns that
+repacking off on every 4-bit layer (the layers then compute with the ordinary dequantizing kernel, in eval mode too).
 
 Departure from TRL: the LoRA weights stay in float32 (peft's default); TRL casts them to bfloat16.
 """
@@ -99,8 +101,32 @@ def check_quantized_run(model: Any, load_kwargs: dict, peft_config: Any, args: A
         raise ValueError("use_vllm=True with a quantized base is not supported: the vLLM engine would be sent the "
                          "packed k-bit weights after each step. Generate with the transformers engine "
                          "(use_vllm=False), which shares the policy's weights.")
+    if isinstance(getattr(args, "placement", None), dict) and args.placement.get("generator") is not None:
+        raise ValueError("placement['generator'] with a quantized base is not supported: the server would be sent "
+                         "the packed k-bit base weights. Generate with the transformers engine (drop the generator "
+                         "URL), which shares the policy's weights.")
+    if getattr(args, "use_async_rollout", False) and getattr(args, "weight_sync", None) != "adapter":
+        raise ValueError("use_async_rollout=True with a quantized base needs weight_sync='adapter': asynchronous "
+                         "rollout generates on a copy of the actor, and only adapter-only sync keeps it in step "
+                         "without merging the adapters into packed k-bit weights.")
     if config is not None and _quant_method(config) == "bitsandbytes":
         _check_bitsandbytes(config, args.device.type)
+    if not isinstance(model, str):
+        keep_kbit_layers_trainable(model)
+
+
+def keep_kbit_layers_trainable(model: Any) -> int:
+    """Keep every bitsandbytes 4-bit layer of `model` trainable on the CPU (see the module docstring): no repacking
+    into the inference-only layout. Returns the number of layers changed; harmless off the CPU."""
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            # bitsandbytes 0.50 has no public switch: Linear4bit.forward repacks its weight for the AVX512-BF16 CPU
+            # kernel (an inference-only layout) when this instance flag is set, the layer is in eval mode and the
+            # input takes no gradient. Clearing the flag is the one place to turn it off.
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
 
 
 def _quant_method(config: Any) -> str | None:
@@ -116,20 +142,15 @@ def _bits(config: Any) -> str:
 
 
 def _check_bitsandbytes(config: Any, device: str) -> None:
-    """The run is on a GPU, and bitsandbytes imports and lists that device among those it runs on."""
+    """bitsandbytes imports and lists the run's device among those it runs on (the CPU from 0.50 on)."""
     what = f"quantization_config asks for a {_bits(config)} bitsandbytes base (QLoRA)"
-    if device == "cpu":
-        raise RuntimeError(f"{what}, which hf_verl runs on GPUs only, and this run is on the CPU (no CUDA device "
-                           "visible, or use_cpu=True): bitsandbytes' CPU 4-bit layers switch to an inference-only "
-                           "layout at the first forward without gradients (generation, reference, evaluation), and "
-                           "the training steps after it fail (bitsandbytes 0.50.2). Run on a GPU machine with "
-                           f"`pip install bitsandbytes`, {_INSTEAD}.")
     try:
         import bitsandbytes
     except Exception as err:  # missing, or built for a CUDA this machine lacks
         raise ImportError(f"{what}, but bitsandbytes does not import ({type(err).__name__}: {err}): "
-                          f"`pip install bitsandbytes`, {_INSTEAD}.") from err
+                          f"`pip install bitsandbytes` (or hf_verl[qlora]), {_INSTEAD}.") from err
     supported = set(getattr(bitsandbytes, "supported_torch_devices", None) or {"cuda"})
     if device not in supported:
         raise RuntimeError(f"{what}, but bitsandbytes {getattr(bitsandbytes, '__version__', '?')} runs on "
-                           f"{sorted(supported)}, not on this run's device ({device}): run on a CUDA GPU, {_INSTEAD}.")
+                           f"{sorted(supported)}, not on this run's device ({device}): `pip install -U bitsandbytes` "
+                           f"(0.50 runs on the CPU) or run on a CUDA GPU, {_INSTEAD}.")
