@@ -1,24 +1,32 @@
 """Vision-language models in GRPOTrainer / RLOOTrainer / DPOTrainer (TRL's `image` / `images` columns with an
-`AutoProcessor`), on a tiny Gemma 3 and a tiny LLaVA built in code (tests/vlm_models.py): the rollout's log-probs equal
-the training forward's, they depend on the image, a few steps train every parameter, and bad setups fail at
-construction."""
+`AutoProcessor`) and the facade, on tiny Gemma 3, LLaVA, Qwen2-VL, Qwen2.5-VL and Idefics3 models built in code with
+their processors (tests/vlm_models.py): the rollout's log-probs equal the training forward's and the untrained
+reference's, they depend on the image, a few steps train every parameter, and bad setups fail at construction."""
 
 import pytest
 import torch
 from datasets import Dataset
 
-from tests.vlm_models import build_gemma3, build_llava, random_image
+from tests.vlm_models import (
+    build_gemma3,
+    build_idefics3,
+    build_llava,
+    build_qwen2_5_vl,
+    build_qwen2_vl,
+    random_image,
+)
 
-FAMILIES = {"gemma3": build_gemma3, "llava": build_llava}
+FAMILIES = {"gemma3": build_gemma3, "llava": build_llava, "qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl,
+            "idefics3": build_idefics3}
 # parameters a family's forward never uses (LLaVA: the CLIP tower's post_layernorm serves its pooled output only)
-UNUSED = {"gemma3": (), "llava": ("post_layernorm",)}
+UNUSED = {"gemma3": (), "llava": ("post_layernorm",), "qwen2_vl": (), "qwen2_5_vl": (), "idefics3": ()}
 
 
 def _dataset(n: int = 4, column: str = "image") -> Dataset:
     rows = []
     for i in range(n):
         image = random_image(i)
-        rows.append({"prompt": [{"role": "user", "content": f"what is {'abcdefgh'[i]}?"}],
+        rows.append({"prompt": [{"role": "user", "content": f"what is {'abcdefgh'[: i + 1]}?"}],  # left padding
                      column: image if column == "image" else [image]})
     return Dataset.from_list(rows)
 
@@ -43,14 +51,18 @@ def test_grpo_rollout_logprobs_are_the_training_forwards_and_depend_on_the_image
     from hf_verl import GRPOTrainer
     from hf_verl.data.vision import VISION_INPUTS, tokenize_vision_prompts
     from hf_verl.engine.step import LogProbs
+    from hf_verl.engine.vision import computes_own_positions
 
     model, processor = FAMILIES[family]()
+    # Qwen2-VL / Qwen2.5-VL lay out their multimodal RoPE positions themselves (the engine passes none)
+    assert computes_own_positions(model) == family.startswith("qwen")
     data = _dataset(column="images")
     trainer = GRPOTrainer(model=model, reward_funcs=_length_reward, args=_grpo_args(tmp_path), train_dataset=data,
                           processing_class=processor)
     rows = [data[0]] * 2 + [data[1]] * 2
     batch = trainer._collect(rows, trainer.engine).batch
     assert len(batch.meta[VISION_INPUTS]) == 4 and "pixel_values" in batch.meta[VISION_INPUTS][0]
+    assert len({len(p) for p in batch.meta["prompt_ids"]}) == 2  # left padding in the rollout and the forward
     mask = batch.completion_mask.bool()
     assert int(mask.sum()) > 4
     logp, _ = trainer.actor.logprobs(batch)  # the training forward, padded, with the rows' pixel inputs
@@ -64,8 +76,10 @@ def test_grpo_rollout_logprobs_are_the_training_forwards_and_depend_on_the_image
     assert (moved[mask] - logp[mask]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("trainer_name, family", [("GRPOTrainer", "gemma3"), ("RLOOTrainer", "gemma3"),
-                                                  ("GRPOTrainer", "llava")])
+@pytest.mark.parametrize("trainer_name, family", [
+    ("GRPOTrainer", "gemma3"), ("RLOOTrainer", "gemma3"), ("GRPOTrainer", "llava"), ("GRPOTrainer", "qwen2_vl"),
+    ("RLOOTrainer", "qwen2_vl"), ("GRPOTrainer", "qwen2_5_vl"), ("RLOOTrainer", "qwen2_5_vl"),
+    ("GRPOTrainer", "idefics3"), ("RLOOTrainer", "idefics3")])
 def test_a_few_steps_train_every_parameter(tmp_path, trainer_name, family):
     import hf_verl
 
@@ -166,6 +180,11 @@ def test_per_token_fields_sit_under_the_left_padded_prompt():
     mixed = collate_vision_inputs([{}, rows[1]], prompt_width=3, width=5, device="cpu", right_padded=True)
     assert mixed["pixel_values"].shape == (1, 3, 2, 2)  # a text-only row adds no image
     assert mixed["token_type_ids"].tolist() == [[0, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
+    # Idefics3 keeps a row's images on dim 1: a one-image row beside a two-image row gets an all-zero second image
+    idefics = collate_vision_inputs([{"pixel_values": torch.ones(1, 1, 3, 2, 2)},
+                                     {"pixel_values": torch.ones(1, 2, 3, 2, 2)}], prompt_width=1, width=1, device="cpu")
+    assert idefics["pixel_values"].shape == (2, 2, 3, 2, 2)
+    assert idefics["pixel_values"][0, 1].abs().sum() == 0 and idefics["pixel_values"][1].abs().min() == 1
 
 
 @pytest.mark.multiprocess
@@ -227,11 +246,16 @@ def _dpo_args(tmp_path, **overrides):
     return DPOConfig(**settings)
 
 
-def test_dpo_on_image_pairs_trains_and_its_logprobs_depend_on_the_image(tmp_path):
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "qwen2_5_vl", "idefics3"])
+def test_dpo_on_image_pairs_trains_and_its_logprobs_depend_on_the_image(tmp_path, family):
     from hf_verl import DPOTrainer
-    from hf_verl.data.vision import VISION_INPUTS, tokenize_vision_prompts
+    from hf_verl.data.vision import (
+        VISION_INPUTS,
+        collate_vision_inputs,
+        tokenize_vision_prompts,
+    )
 
-    model, processor = build_gemma3()
+    model, processor = FAMILIES[family]()
     data = _pairs()
     trainer = DPOTrainer(model=model, args=_dpo_args(tmp_path), train_dataset=data, processing_class=processor)
     batch = trainer._collate([trainer.train_dataset[i] for i in range(2)])
@@ -240,9 +264,8 @@ def test_dpo_on_image_pairs_trains_and_its_logprobs_depend_on_the_image(tmp_path
     # the chosen answer's summed log-prob by hand: one forward of the model on the first chosen row alone
     row = batch["attention_mask"][0].bool()
     ids = batch["input_ids"][0][row][None]
-    inputs = {k: v[:1] if k != "token_type_ids" else v for k, v in batch[VISION_INPUTS][0].items()}
-    inputs["token_type_ids"] = torch.nn.functional.pad(inputs["token_type_ids"], (0, ids.shape[1] - len(
-        inputs["token_type_ids"])))[None]
+    inputs = collate_vision_inputs(batch[VISION_INPUTS][:1], prompt_width=0, width=ids.shape[1], device="cpu",
+                                   right_padded=True)
     with torch.no_grad():
         logits = model(input_ids=ids, **inputs).logits[0, :-1].float()
     comp = batch["completion_mask"][0][row][1:].bool()
@@ -279,14 +302,15 @@ def test_dpo_refuses_images_with_a_text_only_model_and_padding_free(tmp_path):
         DPOTrainer(model=text_model, args=_dpo_args(tmp_path), train_dataset=_pairs(), processing_class=tok)
 
 
-def test_the_facade_trains_on_image_rows_with_the_processor_as_tokenizer():
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "idefics3"])
+def test_the_facade_trains_on_image_rows_with_the_processor_as_tokenizer(family):
     from hf_verl import Trainer
 
-    model, processor = build_gemma3()
+    model, processor = FAMILIES[family]()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = {"group_size": 4, "max_new_tokens": 5, "actor_lr": 1e-2, "seed": 0, "use_async_rollout": False,
               "beta": 0.1}
-    trainer = Trainer(actor_model=model, reference_model=build_gemma3()[0], reward_model=_length_reward,
+    trainer = Trainer(actor_model=model, reference_model=FAMILIES[family]()[0], reward_model=_length_reward,
                       tokenizer=processor, config=config)
     rows = [{"prompt": [{"role": "user", "content": "what is a?"}], "image": random_image(0)}]
     for _ in range(2):
@@ -300,49 +324,22 @@ def test_the_facade_trains_on_image_rows_with_the_processor_as_tokenizer():
         text_only.rollout(rows)
 
 
-def test_qwen2_vl_multimodal_rope_rollout_logprobs_are_the_training_forwards():
-    """Qwen2-VL computes its own positions over image tokens (multimodal RoPE): the engine passes none and the
-    model's `get_rope_index` lays them out from the ids, the image grid and the padding, as its `generate` did.
-    Its processor needs torchvision, so the prompt is laid out as the processor would (tests/vlm_models.py)."""
-    from hf_verl.data.vision import VISION_INPUTS
-    from hf_verl.engine.registry import RoleLayout, make_engine
-    from hf_verl.engine.vision import computes_own_positions
-    from hf_verl.parallel.backend import BackendSpec
-    from hf_verl.parallel.dims import ParallelDims
-    from hf_verl.pipeline.generation import generate
-    from hf_verl.rollout.base import SamplingParams
-    from hf_verl.rollout.hf_engine import TransformersEngine
-    from tests.vlm_models import build_qwen2_vl, qwen2_vl_prompt
-
-    model, tok = build_qwen2_vl()
-    assert computes_own_positions(model)
-    prompts = [qwen2_vl_prompt(tok, random_image(i), text) for i, text in enumerate(["what?", "name the colours"])]
-    ids, inputs = [p[0] for p in prompts for _ in range(2)], [p[1] for p in prompts for _ in range(2)]
-    engine = TransformersEngine(model, tok)
-    batch = generate(engine, ids, ["p"] * 4, SamplingParams(max_new_tokens=6), tok, "cpu", vision_inputs=inputs)
-    mask = batch.completion_mask.bool()
-    assert len({len(i) for i in ids}) == 2 and int(mask.sum()) > 8  # left padding in the rollout and the forward
-    actor = make_engine(model, "actor", RoleLayout(BackendSpec(), ParallelDims()), trainable=False)
-    logp, _ = actor.logprobs(batch)
-    torch.testing.assert_close(logp[mask], batch.sampling_logprobs[mask], atol=1e-5, rtol=0)
-    other = batch.select(list(range(4)))
-    other.meta[VISION_INPUTS] = [qwen2_vl_prompt(tok, random_image(70 + i), "x")[1] for i in range(4)]
-    assert (actor.logprobs(other)[0][mask] - logp[mask]).abs().max() > 1e-4
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_text_only_rows_beside_image_rows(tmp_path, family):
-    """TRL's mixed datasets (an `images` list empty on some rows): a text-only row adds no pixels, and its
+    """TRL's mixed datasets (an `images` list empty on some rows, longer on others): a text-only row adds no
+    pixels, a row of two images adds both (Idefics3 pads its one-image rows with an empty image), and the
     log-probs are still the rollout's."""
     from hf_verl import GRPOTrainer
     from hf_verl.data.vision import VISION_INPUTS
 
     model, processor = FAMILIES[family]()
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": "what is a?"}], "images": []},
-                              {"prompt": [{"role": "user", "content": "what is b?"}], "images": [random_image(1)]}])
+                              {"prompt": [{"role": "user", "content": "what is b?"}], "images": [random_image(1)]},
+                              {"prompt": [{"role": "user", "content": "and c?"}],
+                               "images": [random_image(2), random_image(3)]}])
     trainer = GRPOTrainer(model=model, reward_funcs=_length_reward, args=_grpo_args(tmp_path), train_dataset=data,
                           processing_class=processor)
-    batch = trainer._collect([data[0]] * 2 + [data[1]] * 2, trainer.engine).batch
+    batch = trainer._collect([data[0], data[0], data[1], data[2]], trainer.engine).batch
     assert "pixel_values" not in batch.meta[VISION_INPUTS][0] and "pixel_values" in batch.meta[VISION_INPUTS][2]
     mask = batch.completion_mask.bool()
     logp, _ = trainer.actor.logprobs(batch)

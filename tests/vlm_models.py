@@ -2,8 +2,10 @@
 family's image tokens and a chat template that renders image parts, the family's PIL image processor at a small
 image size, and a 2-layer text model beside a 2-layer vision tower.
 
-Qwen2-VL / Qwen2.5-VL are not built here: their processors always build a video processor, which needs
-torchvision, and this environment has none that imports beside the pinned CPU torch (see docs/vlm.md).
+The Qwen2-VL / Qwen2.5-VL processors are built without their video processor (:func:`without_video_processor`):
+transformers has no video processor class without torchvision, and no torchvision imports beside the pinned CPU
+torch here (docs/vlm.md). SmolVLM is not built: its processor's `apply_chat_template` reads its video processor's
+frame settings on every call.
 """
 
 from __future__ import annotations
@@ -113,43 +115,137 @@ def build_llava(seed: int = 0, vision_feature_layer: int = -1):
     return model, processor
 
 
-def build_qwen2_vl(seed: int = 0):
-    """A tiny Qwen2-VL (text hidden 64 with multimodal RoPE sections [2, 3, 3], a 2-layer vision tower) and its
-    tokenizer with Qwen's vision tokens; no processor (Qwen2-VL's needs torchvision): :func:`qwen2_vl_prompt` lays a
-    prompt out as the processor would."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def without_video_processor(processor_class: type) -> type:
+    """`processor_class` (a processor whose constructor takes `image_processor, tokenizer, video_processor`:
+    Qwen2-VL, Qwen2.5-VL) as a subclass whose constructor takes no video processor.
 
-    tok = build_vlm_tokenizer({"vision_start_token": "<|vision_start|>", "image_token": "<|image_pad|>",
-                               "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>"})
-    config = Qwen2VLConfig(
-        text_config={"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                     "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id},
-        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 4, "mlp_ratio": 2,
-                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
-        image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
-        vision_start_token_id=tok.vision_start_token_id, vision_end_token_id=tok.vision_end_token_id,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model, tok
+    transformers' `ProcessorMixin` takes a processor's sub-processors from its constructor's signature and types
+    each one; without torchvision transformers has no video processor class at all (`VideoProcessorMixin` needs
+    it), so the processor cannot be built even for images. Every image path (`__call__`, `apply_chat_template`,
+    the image-token expansion) is the parent's own code; `ProcessorMixin.__call__` skips videos when the processor
+    has no `video_processor` (the parent's constructor passes its `None` video processor on, and the mixin, reading
+    this subclass's signature, takes two sub-processors). The class is named `<parent>WithoutVideo`, so that a saved
+    processor does not claim to be the parent (whose loading needs torchvision)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(f"{processor_class.__name__}WithoutVideo", (processor_class,),
+                {"__init__": __init__, "__module__": __name__})
 
 
-def qwen2_vl_prompt(tok, image, text: str) -> tuple[list[int], dict[str, torch.Tensor]]:
-    """`(prompt ids, pixel inputs)` of one user turn with `image` before `text`, as `Qwen2VLProcessor` lays it out:
-    the pixels from Qwen2-VL's PIL image processor (56x56 pixels: a 4x4 patch grid, 4 image tokens after merging)
-    `<|image_pad|>` repeated once per merged patch, and `mm_token_type_ids` (1 on image tokens)."""
+QWEN_IMAGE_TOKENS = {"vision_start_token": "<|vision_start|>", "image_token": "<|image_pad|>",
+                     "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>"}
+
+
+def _qwen_processor(processor_class: type):
+    """A Qwen-VL processor (`processor_class` without its video processor) over the character-level tokenizer, with
+    Qwen2-VL's PIL image processor at 56x56 pixels (a 4x4 patch grid: 4 image tokens after the 2x2 merge)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    pixels = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)(images=[image], return_tensors="pt")
-    grid = pixels["image_grid_thw"]
-    n = int(grid.prod()) // 4  # spatial_merge_size 2 x 2
-    body = "<user><|vision_start|>" + "<|image_pad|>" * n + "<|vision_end|>" + text + "\n<assistant>"
-    ids = tok(body, add_special_tokens=False)["input_ids"]
-    token_types = torch.tensor([int(t == tok.image_token_id) for t in ids])  # the processor's mm_token_type_ids
-    return ids, {"pixel_values": pixels["pixel_values"], "image_grid_thw": grid, "mm_token_type_ids": token_types}
+    tok = build_vlm_tokenizer(QWEN_IMAGE_TOKENS)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+    return without_video_processor(processor_class)(
+        image_processor=image_processor, tokenizer=tok,
+        chat_template=VLM_TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"))
+
+
+def _qwen_text_config(tok) -> dict:
+    return {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id}
+
+
+def _qwen_token_ids(tok) -> dict:
+    return {"image_token_id": tok.image_token_id, "video_token_id": tok.video_token_id,
+            "vision_start_token_id": tok.vision_start_token_id, "vision_end_token_id": tok.vision_end_token_id,
+            "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+
+
+def _finish(model, tok):
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model
+
+
+def build_qwen2_vl(seed: int = 0):
+    """A tiny Qwen2-VL (text hidden 64 with multimodal RoPE sections [2, 3, 3], a 2-layer vision tower) and its
+    `Qwen2VLProcessor` (without its video processor: :func:`without_video_processor`)."""
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLProcessor,
+    )
+
+    processor = _qwen_processor(Qwen2VLProcessor)
+    tok = processor.tokenizer
+    config = Qwen2VLConfig(
+        text_config=_qwen_text_config(tok),
+        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 4, "mlp_ratio": 2,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        **_qwen_token_ids(tok))
+    torch.manual_seed(seed)
+    return _finish(Qwen2VLForConditionalGeneration(config), tok), processor
+
+
+def build_qwen2_5_vl(seed: int = 0):
+    """A tiny Qwen2.5-VL (Qwen2-VL's text model; a 2-layer windowed vision tower, the first layer windowed, the
+    second full) and its `Qwen2_5_VLProcessor` (without its video processor)."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+    )
+
+    processor = _qwen_processor(Qwen2_5_VLProcessor)
+    tok = processor.tokenizer
+    config = Qwen2_5_VLConfig(
+        text_config=_qwen_text_config(tok),
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 64,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                       "fullatt_block_indexes": [1]},
+        **_qwen_token_ids(tok))
+    torch.manual_seed(seed)
+    return _finish(Qwen2_5_VLForConditionalGeneration(config), tok), processor
+
+
+IDEFICS_IMAGE_TOKENS = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                        "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+
+
+def _idefics_config(config_class, tok):
+    """An Idefics3 config: a Llama text model (hidden 64) beside a SigLIP-like tower at 56x56 pixels
+    (4x4 patches; pixel shuffle by 2: 4 image tokens)."""
+    return config_class(
+        text_config={"model_type": "llama", "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 256, "pad_token_id": tok.pad_token_id,
+                     "eos_token_id": tok.eos_token_id},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "image_size": 56, "patch_size": 14},
+        scale_factor=2, image_token_id=tok.image_token_id, pad_token_id=tok.pad_token_id)
+
+
+def build_idefics3(seed: int = 0):
+    """A tiny Idefics3 and its `Idefics3Processor` (Idefics3's PIL image processor, one 56x56 image without
+    splitting: `<fake_token_around_image><global-img>` + 4 `<image>` tokens + `<fake_token_around_image>`)."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    tok = build_vlm_tokenizer(IDEFICS_IMAGE_TOKENS)
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 56}, max_image_size={"longest_edge": 56},
+                                                do_image_splitting=False)
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4,
+                                  chat_template=VLM_TEMPLATE.replace("IMAGE", "<image>"))
+    torch.manual_seed(seed)
+    return _finish(Idefics3ForConditionalGeneration(_idefics_config(Idefics3Config, tok)), tok), processor
+

@@ -9,8 +9,9 @@ TRL 1.16's formats: an `image` column (one image per row) or an `images` column 
 A row's pixel inputs travel with it as one dict of tensors (:func:`tokenize_vision_prompts`, kept in
 `RolloutBatch.meta[VISION_INPUTS]`, so that selecting rows selects them) and are laid out for a forward by
 :func:`collate_vision_inputs`: per-image fields (`pixel_values`, `image_grid_thw`, `pixel_attention_mask`, ...) are
-concatenated over the rows; per-token fields (`token_type_ids`, `mm_token_type_ids`) are placed under the row's
-left-padded prompt and zero elsewhere.
+concatenated over the rows (zero-padded on the images dim of a family that keeps a row's images there, Idefics3);
+per-token fields (`token_type_ids`, `mm_token_type_ids`) are placed under the row's left-padded prompt and zero
+elsewhere.
 """
 
 from __future__ import annotations
@@ -207,8 +208,20 @@ def collate_vision_inputs(inputs: Sequence[Mapping[str, torch.Tensor]], *, promp
                 laid[i, start : start + n] = x[key]
             out[key] = laid.to(device)
         else:
-            out[key] = torch.cat(have).to(device)
+            out[key] = torch.cat(_pad_images_dim(have)).to(device)
     return out
+
+
+def _pad_images_dim(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-row tensors of a per-image field, zero-padded on dim 1 where only that dim differs: fields that hold a
+    row's images on dim 1 (Idefics3's `(1, images, 3, H, W)` pixels and their pixel mask) for rows with different
+    numbers of images, padded with all-zero images as the family's processor pads a batch (the model skips them)."""
+    shapes = {tuple(t.shape[2:]) for t in tensors}
+    widths = {t.shape[1] for t in tensors if t.dim() > 1}
+    if len(widths) < 2 or len(shapes) > 1 or any(t.dim() < 3 for t in tensors):
+        return list(tensors)
+    most = max(widths)
+    return [torch.cat([t, t.new_zeros((t.shape[0], most - t.shape[1], *t.shape[2:]))], dim=1) for t in tensors]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
