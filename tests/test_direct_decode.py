@@ -16,8 +16,8 @@ from transformers import (
 
 from hf_verl.rollout.direct_decode import DirectDecoder, unsupported_reason
 
-SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
+SMALL = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
 
 
 def build(family: str, **overrides):
@@ -32,7 +32,7 @@ def build(family: str, **overrides):
                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                     "original_max_position_embeddings": 32}}))
     elif family == "mistral":
-        model = MistralForCausalLM(MistralConfig(**kw, sliding_window=None))
+        model = MistralForCausalLM(MistralConfig(**{**kw, "num_key_value_heads": 4}, sliding_window=None))  # no groups
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**kw, tie_word_embeddings=True))
     else:
@@ -95,6 +95,62 @@ def test_direct_steps_equal_the_models_forward(family, dtype):
     assert torch.equal(reference, direct)  # the same ops in the same order: bit for bit
 
 
+def test_lora_adapters_run_inside_direct_steps():
+    """A PEFT LoRA model (adapters on attention, MLP and head, non-zero B): the direct steps call the LoRA layers."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "v_proj", "gate_proj", "down_proj", "lm_head"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    assert unsupported_reason(model) is None
+    reference, direct = decode_both(model, torch.float32)
+    assert torch.equal(reference, direct)
+    with model.disable_adapter():  # the adapters matter: without them the logits differ
+        plain, _ = decode_both(model, torch.float32)
+    assert not torch.allclose(plain, reference)
+
+
+def test_rows_selected_trimmed_merged_and_grown_equal_the_models_forward():
+    """The continuous loop's operations: after keeping some rows, dropping all-padding columns, merging another
+    batch and growing the buffers, a step equals the model's forward over each row's whole sequence."""
+    model = build("llama")
+    rows = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+
+    def prefill(prompts):
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        use_cache=True)
+        return DirectDecoder(model, out.past_key_values, mask, 1, grow=True)
+
+    first = prefill(rows)
+    first.step(torch.tensor([20, 21, 22]), torch.tensor([[4], [2], [3]]))
+    rows = [r + [t] for r, t in zip(rows, [20, 21, 22])]
+    first.select(torch.tensor([1, 2]))  # the longest row leaves: the leading column is padding for both others
+    rows = rows[1:]
+    first.trim(1)
+    second = prefill([[30, 31, 32, 33, 34, 35]])
+    merged = first.merge(second)
+    rows.append([30, 31, 32, 33, 34, 35])
+    logits = None
+    for t in range(20):  # past the merged buffers' room: they grow
+        nxt = torch.tensor([40 + t] * 3)
+        logits = merged.step(nxt, torch.tensor([[len(r)] for r in rows]))
+        rows = [r + [40 + t] for r in rows]
+    assert merged.length == max(map(len, rows))
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([row])).logits[0, -1]
+        torch.testing.assert_close(logits[i], alone, rtol=1e-5, atol=1e-5)
+    cache = merged.to_cache()
+    assert cache.layers[0].keys.shape == (3, 2, merged.length, 16)
+
+
 def test_direct_decoder_reads_weights_changed_between_steps():
     model = build("llama")
     ids = torch.tensor([[3, 4, 5]])
@@ -117,15 +173,17 @@ def test_direct_decoder_reads_weights_changed_between_steps():
 
 
 def test_models_it_cannot_reproduce_are_declined_with_the_reason():
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     assert "sliding-window" in unsupported_reason(MistralForCausalLM(MistralConfig(**SMALL, sliding_window=16)))
     eager = build("llama")
     eager.config._attn_implementation = "eager"
     assert "'eager'" in unsupported_reason(eager)
-    lora = get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
-    assert "PeftModel" in unsupported_reason(lora)
-    assert "plain nn.Linear" in unsupported_reason(lora.get_base_model())
+    from peft import LoraConfig, PromptTuningConfig
+
+    prompt_tuning = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    assert "LoRA adapters only" in unsupported_reason(prompt_tuning)
+    assert unsupported_reason(get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"]))) is None
     hooked = build("llama")
     hooked.model.layers[0].mlp.register_forward_hook(lambda *a: None)
     assert "hooks" in unsupported_reason(hooked)

@@ -36,6 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_verl.rollout.base import SamplingParams
+from hf_verl.rollout.direct_decode import DirectDecoder, pad_left, unsupported_reason
 from hf_verl.rollout.sampling import sample_next
 
 logger = logging.getLogger(__name__)
@@ -55,16 +56,6 @@ def continuous_unsupported(model) -> str | None:
     if types != {"full_attention"}:
         return f"its layers are {sorted(types)}: continuous batching pads KV caches of full-attention layers only"
     return None
-
-
-def pad_left(t: torch.Tensor, width: int, dim: int, value: float = 0) -> torch.Tensor:
-    """`t` left-padded with `value` along `dim` to `width` (unchanged when already that wide)."""
-    missing = width - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_full(shape, value), t], dim=dim)
 
 
 @dataclass
@@ -199,7 +190,11 @@ class ContinuousDecoder:
             version = engine.weight_version
             out = engine.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                logits_to_keep=1)
-        new = _Live(list(admitted), out.past_key_values, mask, positions[:, -1], out.logits[:, -1].float(),
+        cache = out.past_key_values
+        if engine.direct_decode and unsupported_reason(engine.model) is None:  # steps straight from the weights
+            cache = DirectDecoder(engine.model, cache, mask, max(call.sampling.max_new_tokens for call, _ in admitted),
+                                  grow=True)
+        new = _Live(list(admitted), cache, mask, positions[:, -1], out.logits[:, -1].float(),
                     [version] * len(admitted))
         return new if live is None else _merge(live, new)
 
@@ -236,11 +231,12 @@ class ContinuousDecoder:
         if not keep.any():
             return None
         index = keep.nonzero().squeeze(1).to(live.mask.device)
-        live.cache.batch_select_indices(index)
+        direct = isinstance(live.cache, DirectDecoder)
+        live.cache.select(index) if direct else live.cache.batch_select_indices(index)
         mask = live.mask[index]
         first = int((mask.sum(0) > 0).nonzero()[0])  # columns that are padding for every remaining row go
         if first:
-            _map_layers(live.cache, lambda t: t[..., first:, :])
+            live.cache.trim(first) if direct else _map_layers(live.cache, lambda t: t[..., first:, :])
             mask = mask[:, first:]
         return _Live([live.rows[i] for i in index.tolist()], live.cache, mask, live.positions[index],
                      live.logits[index], [live.versions[i] for i in index.tolist()])
@@ -253,10 +249,13 @@ class ContinuousDecoder:
             pass
         with engine._weights_lock:
             version = engine.weight_version
-            out = engine.model(input_ids=next_ids[:, None], attention_mask=live.mask.bool()[:, None, None, :],
-                               position_ids=live.positions[:, None], past_key_values=live.cache, use_cache=True,
-                               logits_to_keep=1)
-        live.cache, live.logits = out.past_key_values, out.logits[:, -1].float()
+            if isinstance(live.cache, DirectDecoder):
+                live.logits = live.cache.step(next_ids, live.positions[:, None])
+            else:
+                out = engine.model(input_ids=next_ids[:, None], attention_mask=live.mask.bool()[:, None, None, :],
+                                   position_ids=live.positions[:, None], past_key_values=live.cache, use_cache=True,
+                                   logits_to_keep=1)
+                live.cache, live.logits = out.past_key_values, out.logits[:, -1].float()
         live.versions = [version] * len(live.rows)
         self.steps += 1
 
@@ -276,6 +275,13 @@ def _map_layers(cache: DynamicCache, fn) -> None:
 
 def _merge(a: _Live, b: _Live) -> _Live:
     """Two decode batches as one: caches and masks left-padded to the wider, rows of `a` first."""
+    if isinstance(a.cache, DirectDecoder) and isinstance(b.cache, DirectDecoder):
+        return _Live(a.rows + b.rows, a.cache.merge(b.cache), torch.cat([pad_left(a.mask, b.mask.shape[1], 1),
+                                                                       pad_left(b.mask, a.mask.shape[1], 1)]),
+                     torch.cat([a.positions, b.positions]), torch.cat([a.logits, b.logits]), a.versions + b.versions)
+    for live in (a, b):  # the model stopped qualifying for direct steps (e.g. an adapter sync): its forward runs on
+        if isinstance(live.cache, DirectDecoder):
+            live.cache = live.cache.to_cache()
     width = max(a.mask.shape[1], b.mask.shape[1])
     data = [(torch.cat([pad_left(la.keys, width, -2), pad_left(lb.keys, width, -2)]),
              torch.cat([pad_left(la.values, width, -2), pad_left(lb.values, width, -2)]))

@@ -1,23 +1,25 @@
-"""Decode steps computed straight from a Llama-family decoder's weights, into caches allocated once.
+"""Decode steps computed straight from a Llama-family decoder's weights, into caches allocated ahead.
 
 The transformers engine's decode loop runs one single-token forward per generated token. On a small model (and on
 any model whose decode step costs more in Python than in matmuls) most of that forward is module dispatch, the
 `DynamicCache` growing by concatenation every step, mask preparation and output objects, not arithmetic.
-:class:`DirectDecoder` computes the same step from the same parameter tensors with the same torch operations in the
-same order as transformers' own modules (RMSNorm in float32, rotary embedding from the model's own `rotary_emb`,
-sdpa attention with the key padding mask, key/value heads repeated as transformers repeats them when a mask is
-given, the gated MLP with the model's activation), writing each step's keys and values into per-layer buffers sized
-for the whole generation. The logits equal the model's forward (`tests/test_direct_decode.py`: exact on the
-families below in float32 and bfloat16, with left padding, grouped key/value heads, biases and Qwen3's head norms).
+:class:`DirectDecoder` computes the same step from the same parameters with the same torch operations in the same
+order as transformers' own modules (RMSNorm in float32, rotary embedding from the model's own `rotary_emb`, sdpa
+attention with the key padding mask, key/value heads repeated as transformers repeats them when a mask is given, the
+gated MLP with the model's activation), writing each step's keys and values into per-layer buffers allocated ahead.
+The logits equal the model's forward bit for bit (`tests/test_direct_decode.py`: the families below in float32,
+bfloat16 and bf16 autocast, with left padding, grouped and ungrouped key/value heads, biases, Qwen3's head norms,
+LoRA adapters).
 
-It reads the parameters at every step, so weight updates that land between two steps (in-flight updates, the
-actor's own tensors trained in place) are used from the next step on.
+It reads the modules at every step, so weight updates that land between two steps (in-flight updates, the actor's
+own tensors trained in place, an adapter sync that puts LoRA layers in place) are used from the next step on.
+Projections that are not plain `nn.Linear` (LoRA, quantised layers) run their own forward.
 
 Taken only where it reproduces the model exactly (:func:`unsupported_reason` says why not otherwise; the engine then
 runs the model's forward): the exact classes `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
-`Qwen3ForCausalLM`; sdpa attention (or hf_verl's sequence-parallel attention, which is sdpa without a shard); no
-sliding-window layers; rotary embedding over the whole head; plain `nn.Linear` projections (no LoRA, quantised or
-sharded layers); no forward hooks; no attention dropout in training mode.
+`Qwen3ForCausalLM`, bare or under PEFT LoRA adapters; sdpa attention (or hf_verl's sequence-parallel attention, which
+is sdpa without a shard); no sliding-window layers; rotary embedding over the whole head; no sharded parameters; no
+forward hooks; no attention dropout in training mode.
 """
 
 from __future__ import annotations
@@ -39,10 +41,31 @@ def _has_hooks(model: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def pad_left(t: torch.Tensor, width: int, dim: int, value: float = 0) -> torch.Tensor:
+    """`t` left-padded with `value` along `dim` to `width` (unchanged when already that wide)."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_full(shape, value), t], dim=dim)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (its LoRA layers sit inside it), or `model`."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why :class:`DirectDecoder` cannot decode `model` exactly, or `None` when it can (see the module docstring)."""
     from hf_verl.parallel.ulysses import packing_unsupported
 
+    if hasattr(model, "peft_config"):
+        kinds = {getattr(getattr(c, "peft_type", None), "value", str(getattr(c, "peft_type", None)))
+                 for c in model.peft_config.values()}
+        if kinds != {"LORA"}:
+            return f"its PEFT adapters are {sorted(kinds)}; LoRA adapters only"
+        model = _base(model)
     cls = type(model)
     if cls.__name__ not in FAMILIES or not cls.__module__.startswith("transformers.models."):
         return f"{cls.__name__} is not one of {sorted(FAMILIES)}"
@@ -54,15 +77,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "its rotary embedding covers part of each head"
     if model.training and getattr(config, "attention_dropout", 0.0):
         return "it is in training mode with attention dropout"
-    layers = model.model.layers
-    if len(layers) != config.num_hidden_layers:
+    if len(model.model.layers) != config.num_hidden_layers:
         return "its layer list and config disagree"
-    linears = [model.lm_head] + [m for layer in layers for m in (
-        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    if any(type(m) is not nn.Linear for m in linears) or type(model.model.embed_tokens) is not nn.Embedding:
-        return "some of its layers are not plain nn.Linear / nn.Embedding (LoRA, quantised or wrapped layers)"
-    if any(not type(p) is nn.Parameter and not type(p) is torch.Tensor for p in model.parameters()):
+    if any(type(p) is not nn.Parameter and type(p) is not torch.Tensor for p in model.parameters()):
         return "its parameters are sharded or wrapped tensors"
     if _has_hooks(model):
         return "it has forward hooks"
@@ -77,8 +94,10 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * x.to(dtype)
 
 
-def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
+def _linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """A projection: `F.linear` for a plain `nn.Linear`, the module itself otherwise (a LoRA or quantised layer,
+    also one an adapter sync puts in place during a generation)."""
+    return F.linear(x, layer.weight, layer.bias) if type(layer) is nn.Linear else layer(x)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -87,44 +106,107 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DirectDecoder:
-    """Single-token decode steps for one generation (see the module docstring).
+    """Single-token decode steps for one batch of rows (see the module docstring).
+
+    The rows share one key width, left-padded (the padding is masked): every step appends one column for every row.
+    The buffers hold `max_new_tokens` columns beyond the prompt; with `grow=True` (the continuous decode loop, whose
+    rows come and go) they grow when full instead, and rows can be selected, leading columns trimmed and two
+    decoders merged.
 
     Args:
         model (`PreTrainedModel`): a model :func:`unsupported_reason` accepts.
         cache (`transformers.Cache`): the prompt's KV cache from the prefill, one row per completion.
         key_mask (`torch.Tensor`): `(B, W)` padding mask of the prompt (1 for real tokens).
-        max_new_tokens (`int`): the most steps this generation takes (the buffers' extra width).
+        max_new_tokens (`int`): the steps the buffers are sized for.
+        grow (`bool`, defaults to `False`): grow the buffers when full instead of refusing the step.
     """
 
-    def __init__(self, model: nn.Module, cache, key_mask: torch.Tensor, max_new_tokens: int) -> None:
+    def __init__(self, model: nn.Module, cache, key_mask: torch.Tensor, max_new_tokens: int, *,
+                 grow: bool = False) -> None:
+        model = _base(model)
         config = model.config
-        self.model = model
-        self.qk_norm = FAMILIES[type(model).__name__]
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         batch, width = key_mask.shape
-        self.length = width
-        total = width + max_new_tokens
-        self.keys, self.values = [], []
+        keys, values = [], []
         for layer in range(config.num_hidden_layers):
             k, v = cache.layers[layer].keys, cache.layers[layer].values
             if k.shape[0] != batch or k.shape[2] != width:
                 raise ValueError(f"the prefill cache holds {tuple(k.shape)} keys for a {tuple(key_mask.shape)} mask")
-            kb = k.new_empty((batch, k.shape[1], total, k.shape[3]))
-            vb = v.new_empty((batch, v.shape[1], total, v.shape[3]))
+            keys.append(k)
+            values.append(v)
+        self._set(model, keys, values, key_mask.bool(), max_new_tokens, grow)
+
+    def _set(self, model, keys: list, values: list, mask: torch.Tensor, room: int, grow: bool) -> None:
+        """Buffers `room` columns wider than the `(B, H, W, D)` `keys` / `values` and `(B, W)` boolean `mask`."""
+        config = model.config
+        self.model, self.grow = model, grow
+        self.qk_norm = FAMILIES[type(model).__name__]
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        batch, width = mask.shape
+        self.length = width
+        self.keys, self.values = [], []
+        for k, v in zip(keys, values):
+            kb = k.new_empty((batch, k.shape[1], width + room, k.shape[3]))
+            vb = v.new_empty((batch, v.shape[1], width + room, v.shape[3]))
             kb[:, :, :width] = k
             vb[:, :, :width] = v
             self.keys.append(kb)
             self.values.append(vb)
-        self.mask = torch.zeros((batch, 1, 1, total), dtype=torch.bool, device=key_mask.device)
-        self.mask[:, 0, 0, :width] = key_mask.bool()
+        self.mask = torch.zeros((batch, 1, 1, width + room), dtype=torch.bool, device=mask.device)
+        self.mask[:, 0, 0, :width] = mask
+
+    @property
+    def key_mask(self) -> torch.Tensor:
+        """`(B, W)` mask of the keys held so far."""
+        return self.mask[:, 0, 0, : self.length]
+
+    def _used(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[i][:, :, : self.length], self.values[i][:, :, : self.length]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep the rows `index` (in that order)."""
+        self.keys = [k[index] for k in self.keys]
+        self.values = [v[index] for v in self.values]
+        self.mask = self.mask[index]
+
+    def trim(self, first: int) -> None:
+        """Drop the first `first` key columns (padding for every row)."""
+        self.keys = [k[:, :, first:] for k in self.keys]
+        self.values = [v[:, :, first:] for v in self.values]
+        self.mask = self.mask[..., first:]
+        self.length -= first
+
+    def merge(self, other: DirectDecoder) -> DirectDecoder:
+        """A decoder over the rows of `self` then `other`, both left-padded to the wider key width."""
+        width = max(self.length, other.length)
+        room = max(self.mask.shape[-1] - self.length, other.mask.shape[-1] - other.length, 1)
+        pairs = [(self._used(i), other._used(i)) for i in range(len(self.keys))]
+        keys = [torch.cat([pad_left(a[0], width, 2), pad_left(b[0], width, 2)]) for a, b in pairs]
+        values = [torch.cat([pad_left(a[1], width, 2), pad_left(b[1], width, 2)]) for a, b in pairs]
+        mask = torch.cat([pad_left(self.key_mask, width, 1, False), pad_left(other.key_mask, width, 1, False)])
+        merged = object.__new__(DirectDecoder)
+        merged._set(self.model, keys, values, mask, room, self.grow or other.grow)
+        return merged
+
+    def to_cache(self):
+        """The keys and values held so far as a transformers `DynamicCache` (for the model's own forward)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=[tuple(t.contiguous() for t in self._used(i)) for i in range(len(self.keys))])
+
+    def _make_room(self) -> None:
+        if not self.grow:
+            raise RuntimeError(f"the decoder was sized for {self.mask.shape[-1]} positions")
+        used = [self._used(i) for i in range(len(self.keys))]
+        self._set(self.model, [k for k, _ in used], [v for _, v in used], self.key_mask.clone(),
+                  max(16, self.length // 2), True)
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """One token per row: `input_ids` `(B,)`, `position_ids` `(B, 1)`; returns the next logits `(B, V)` in float32."""
         if self.length >= self.mask.shape[-1]:
-            raise RuntimeError(f"the decoder was sized for {self.mask.shape[-1]} positions")
+            self._make_room()
         model = self.model
         inner = model.model
         batch = input_ids.shape[0]
@@ -132,7 +214,9 @@ class DirectDecoder:
         self.length += 1
         self.mask[:, 0, 0, c] = True
         mask = self.mask[..., : c + 1]
-        hidden = F.embedding(input_ids[:, None], inner.embed_tokens.weight)
+        embed = inner.embed_tokens
+        ids = input_ids[:, None]
+        hidden = F.embedding(ids, embed.weight) if type(embed) is nn.Embedding else embed(ids)
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         groups = self.heads // self.kv_heads
