@@ -156,7 +156,8 @@ def test_the_transformers_engine_takes_the_base_once_then_adapters_in_flight():
     actor = get_peft_model(_model(tok, 0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                        init_lora_weights=False))
     config = actor.peft_config["default"].to_dict()
-    served = TransformersEngine(_model(tok, 1), tok)
+    # the forward hook that holds a decode step needs the model's own forward: no direct decode steps
+    served = TransformersEngine(_model(tok, 1), tok, direct_decode=False)
     served.eos_token_ids = set()
     served.sync_adapter("default", config, _parts(actor, "base"), _parts(actor, "adapter"))
     assert isinstance(served.model, PeftModel) and served.weight_version == 1
@@ -181,6 +182,11 @@ def test_the_transformers_engine_takes_the_base_once_then_adapters_in_flight():
     assert served.generate(prompt, greedy).completion_ids[0] == after != before
     with pytest.raises(ValueError, match="no tensor 'nope'"):
         served.sync_adapter("default", config, None, [("nope", torch.zeros(1))])
+    # a PEFT model of another base: the plain names reach its wrapped layers' base weights
+    other = TransformersEngine(get_peft_model(_model(tok, 2), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])), tok)
+    other.sync_adapter("default", config, _parts(actor, "base"), _parts(actor, "adapter"))
+    for name, p in actor.state_dict().items():
+        assert torch.equal(other.model.state_dict()[name], p), name
 
 
 def _async_grpo(tmp_path, tok, weight_sync, **kw):
