@@ -147,6 +147,7 @@ def _vllm(context: RolloutEngineContext) -> RolloutEngine:
         model_impl=context.setting("vllm_model_impl", "vllm"),
         structured_outputs_regex=context.setting("vllm_structured_outputs_regex"),
         record_routing=bool(context.setting("router_replay", False)),
+        enable_lora=context.setting("weight_sync") == "adapter",  # adapter-only sync: vLLM's LoRA slot
         trust_remote_code=context.setting("trust_remote_code", False))
 
 
