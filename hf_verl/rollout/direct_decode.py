@@ -33,12 +33,18 @@ FAMILIES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCau
             "Qwen3ForCausalLM": True}
 
 
+# transformers' own output-capturing hooks (installed on the first forward): they record only inside a forward that
+# asks for hidden states or attentions, never in a direct step, so they do not count as hooks here
+_TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
+
+
 def _has_hooks(model: nn.Module) -> bool:
     from torch.nn.modules import module as module_mod
 
     if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE
+               for m in model.modules() for hooks in (m._forward_hooks, m._forward_pre_hooks) for hook in hooks.values())
 
 
 def pad_left(t: torch.Tensor, width: int, dim: int, value: float = 0) -> torch.Tensor:
