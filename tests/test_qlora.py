@@ -110,3 +110,43 @@ def test_qlora_dpo_on_the_cpu_lowers_the_loss_with_the_base_unchanged(tmp_path, 
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     changed = _changed(before, model)
     assert changed and all("lora_" in n for n in changed)
+
+
+def test_qlora_grpo_against_hf_verl_serve_sends_the_base_once_dequantized(tmp_path, tiny_path, caplog, monkeypatch):
+    """The server holds a full-precision model: the first sync sends the base dequantized (the values the 4-bit
+    actor computes with), every later one the adapters only; the server ends generating as the actor."""
+    from hf_verl.rollout.base import SamplingParams
+    from hf_verl.rollout.hf_engine import TransformersEngine
+    from hf_verl.serve.server import RolloutServer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(1)
+    server = RolloutServer(TransformersEngine(_tiny(tok), tok), tok, "tiny", port=0, token="t0k").start()
+    monkeypatch.setenv("HF_VERL_SERVE_TOKEN", "t0k")
+    try:
+        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, logging_steps=1,
+                          per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                          learning_rate=5e-2, gradient_checkpointing=False, save_strategy="no",
+                          weight_sync="adapter", placement={"generator": server.address}, seed=0)
+        trainer = GRPOTrainer(model=tiny_path, reward_funcs=_count_a, args=args, processing_class=tok,
+                              quantization_config=NF4, peft_config=LORA,
+                              train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"] * 4}))
+        actor = trainer.model
+        with caplog.at_level(logging.DEBUG, logger="hf_verl.pipeline.sync"):
+            trainer.train()
+        adapter_bytes = sum(p.numel() * p.element_size() for n, p in actor.named_parameters() if "lora_" in n)
+        full_bytes = sum(p.numel() * p.element_size() for p in server.engine.model.get_base_model().parameters()
+                         if p.dtype == torch.float32) - adapter_bytes
+        syncs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("adapter weight sync")]
+        assert syncs[0] == f"adapter weight sync: {adapter_bytes} adapter bytes, {full_bytes} base bytes"
+        assert set(syncs[1:]) == {f"adapter weight sync: {adapter_bytes} adapter bytes, 0 base bytes"}, syncs
+        assert all(m.weight.dtype == torch.uint8 for m in _kbit_layers(actor).values())  # the trainer's stays 4-bit
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+        prompts = [tok("abc").input_ids, tok("hello").input_ids]
+        local = TransformersEngine(actor, tok).generate(prompts, greedy)
+        served = trainer.engine.generate(prompts, greedy)
+        assert served.completion_ids == local.completion_ids
+        for a, b in zip(served.logprobs, local.logprobs):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+    finally:
+        server.shutdown()

@@ -131,7 +131,7 @@ def _sync_adapter(actor: TrainingEngine, engine: RolloutEngine, bucket: int, sen
             weights other than its adapters (`modules_to_save`: they would never reach the engine).
     """
     from hf_verl.parallel.weight_export import unwrap_model
-    from hf_verl.rollout.adapters import is_lora_key
+    from hf_verl.rollout.adapters import dequantized_base, is_lora_key
 
     if not getattr(engine, "accepts_adapters", False):
         raise ValueError(f"weight_sync='adapter' needs a rollout engine that loads LoRA adapters (hf-verl serve through "
@@ -156,8 +156,10 @@ def _sync_adapter(actor: TrainingEngine, engine: RolloutEngine, bucket: int, sen
             sent[part] += tensor.numel() * tensor.element_size()
             yield name_, tensor
 
-    base = counted((pair for part in actor.export_weights(bucket, lora="base") for pair in part),
-                   "base_bytes") if first else None
+    base = None
+    if first:  # a QLoRA base goes dequantized, once
+        exported = (pair for part in actor.export_weights(bucket, lora="base") for pair in part)
+        base = counted(dequantized_base(model, exported), "base_bytes")
     adapter = counted((pair for part in actor.export_weights(bucket, lora="adapter") for pair in part),
                       "adapter_bytes")
     if send:

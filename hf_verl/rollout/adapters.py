@@ -9,6 +9,9 @@ the names the trainer sends onto that model:
   wrapped layers keep them under `.base_layer.`);
 - the adapter arrives under the PEFT model's own `state_dict` names, adapter name included, once the adapter exists
   (:func:`with_lora_adapter` creates it from the actor's `LoraConfig`, sent as a dict).
+
+A QLoRA actor's base is bitsandbytes-packed; a generator in full precision (`hf-verl serve`) gets it once,
+dequantized to the values the actor's forward computes with (:func:`dequantized_base`).
 """
 
 from __future__ import annotations
@@ -98,3 +101,34 @@ def copy_named(targets: dict[str, torch.Tensor], named_tensors, what: str) -> in
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
         copied += tensor.numel() * tensor.element_size()
     return copied
+
+
+def _packed_weights(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The bitsandbytes k-bit layers of a PEFT model's base, by their weight's plain name."""
+    out = {}
+    for name, module in model.get_base_model().named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is not None and (hasattr(weight, "quant_state") or hasattr(weight, "SCB")):
+            layer = getattr(module, "base_layer", module)  # a LoRA wrapper's `weight` is its base layer's
+            out[name.replace(".base_layer", "") + ".weight"] = layer
+    return out
+
+
+def dequantized_base(model: torch.nn.Module, pairs):
+    """A PEFT model's base export (`pairs`, plain names) with its bitsandbytes k-bit weights dequantized (peft's
+    `dequantize_module_weight`, what merging uses) and their quantization-state entries (`.absmax`, `.quant_map`,
+    `.SCB`, ...) left out: a base a full-precision generator loads. Unchanged for a model with no k-bit layer."""
+    packed = _packed_weights(model)
+    if not packed:
+        yield from pairs
+        return
+    from peft.utils.integrations import dequantize_module_weight
+
+    layers = {weight[: -len("weight")] for weight in packed}  # "model.layers.0.self_attn.q_proj."
+    for name, tensor in pairs:
+        if name in packed:
+            yield name, dequantize_module_weight(packed[name]).detach()
+            continue
+        if not name.endswith(".bias") and any(name.startswith(prefix) for prefix in layers):
+            continue  # quantization state of a packed layer (`weight.absmax`, `weight.quant_map`, `SCB`, ...)
+        yield name, tensor

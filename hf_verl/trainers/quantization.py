@@ -7,9 +7,11 @@ GRPO run warns that the argument is ignored and a DPO run refuses it, as in TRL.
 
 What TRL leaves to fail later is checked here, at construction, naming what to change: bitsandbytes must import and
 support the run's device, a quantized base needs adapters to train (`peft_config`), and the layout must keep whole
-models: one process or DDP. FSDP2 and DeepSpeed would shard the packed k-bit weights, and a vLLM or server rollout
-engine would be sent them, so those are refused; asynchronous rollout generates on a copy of the actor that only
-adapter-only sync can keep in step (`weight_sync="adapter"`: the base stays quantized, nothing is merged). Nothing is
+models: one process or DDP. FSDP2 and DeepSpeed would shard the packed k-bit weights, and in-process vLLM would be
+sent them, so those are refused. A generator with weights of its own needs adapter-only sync
+(`weight_sync="adapter"`: nothing is merged, the base stays quantized on the trainer): asynchronous rollout's copy of
+the actor keeps the same packed base, and `hf-verl serve` (a generator URL, or `vllm_mode="server"`) gets the base
+once, dequantized to the values the actor computes with, then the adapters only. Nothing is
 ever quantized by hf_verl itself: bitsandbytes does it inside `from_pretrained`.
 
 On the CPU (bitsandbytes 0.50 ships CPU kernels; 4-bit and 8-bit QLoRA GRPO and DPO are tested on this machine): on
@@ -97,14 +99,17 @@ def check_quantized_run(model: Any, load_kwargs: dict, peft_config: Any, args: A
         raise ValueError(f"a quantized base with {backend.label} ({backend.source}) is not supported: hf_verl would "
                          "shard its packed k-bit weights. Launch QLoRA on one process or with DDP "
                          "(configs/accelerate/ddp.yaml), or drop quantization_config to shard a full-precision base.")
-    if getattr(args, "use_vllm", False):
+    adapters = getattr(args, "weight_sync", None) == "adapter"
+    if getattr(args, "use_vllm", False) and not (adapters and getattr(args, "vllm_mode", None) == "server"):
         raise ValueError("use_vllm=True with a quantized base is not supported: the vLLM engine would be sent the "
                          "packed k-bit weights after each step. Generate with the transformers engine "
-                         "(use_vllm=False), which shares the policy's weights.")
-    if isinstance(getattr(args, "placement", None), dict) and args.placement.get("generator") is not None:
-        raise ValueError("placement['generator'] with a quantized base is not supported: the server would be sent "
-                         "the packed k-bit base weights. Generate with the transformers engine (drop the generator "
-                         "URL), which shares the policy's weights.")
+                         "(use_vllm=False), which shares the policy's weights, or on hf-verl serve with "
+                         "weight_sync='adapter' (the base goes once, dequantized; then the adapters only).")
+    served = isinstance(getattr(args, "placement", None), dict) and args.placement.get("generator") is not None
+    if served and not adapters:
+        raise ValueError("placement['generator'] with a quantized base needs weight_sync='adapter': a merged sync "
+                         "would merge the adapters into packed k-bit weights. With adapter-only sync the server gets "
+                         "the base once, dequantized, and then the adapters only.")
     if getattr(args, "use_async_rollout", False) and getattr(args, "weight_sync", None) != "adapter":
         raise ValueError("use_async_rollout=True with a quantized base needs weight_sync='adapter': asynchronous "
                          "rollout generates on a copy of the actor, and only adapter-only sync keeps it in step "
