@@ -2,7 +2,8 @@
 
 Only the adapters train; the base stays quantized and unchanged. With asynchronous rollout and
 `weight_sync="adapter"`, the actor copy the rollouts are generated on keeps the quantized base too, and every sync
-copies the adapters' bytes only (nothing is merged into the packed k-bit weights). Needs bitsandbytes >= 0.50 (its CPU
+copies the adapters' bytes only (nothing is merged into the packed k-bit weights); `hf-verl serve` gets the base once,
+dequantized, then the adapters only, and generates the 4-bit actor's completions. Needs bitsandbytes >= 0.50 (its CPU
 backend; the `qlora` extra): skipped without it.
 """
 
