@@ -187,7 +187,10 @@ def test_models_it_cannot_reproduce_are_declined_with_the_reason():
 
     prompt_tuning = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
     assert "LoRA adapters only" in unsupported_reason(prompt_tuning)
-    assert unsupported_reason(get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"]))) is None
+    lora = get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert unsupported_reason(lora) is None
+    lora.register_forward_pre_hook(lambda *a: None)  # on the PEFT wrapper: counts too
+    assert "hooks" in unsupported_reason(lora)
     hooked = build("llama")
     hooked.model.layers[0].mlp.register_forward_hook(lambda *a: None)
     assert "hooks" in unsupported_reason(hooked)

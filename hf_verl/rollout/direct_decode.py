@@ -66,6 +66,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     """Why :class:`DirectDecoder` cannot decode `model` exactly, or `None` when it can (see the module docstring)."""
     from hf_verl.parallel.ulysses import packing_unsupported
 
+    if _has_hooks(model):  # the wrapper's too
+        return "it has forward hooks"
     if hasattr(model, "peft_config"):
         kinds = {getattr(getattr(c, "peft_type", None), "value", str(getattr(c, "peft_type", None)))
                  for c in model.peft_config.values()}
@@ -87,8 +89,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "its layer list and config disagree"
     if any(type(p) is not nn.Parameter and type(p) is not torch.Tensor for p in model.parameters()):
         return "its parameters are sharded or wrapped tensors"
-    if _has_hooks(model):
-        return "it has forward hooks"
     return None
 
 
