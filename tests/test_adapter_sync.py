@@ -183,7 +183,8 @@ def test_the_transformers_engine_takes_the_base_once_then_adapters_in_flight():
     with pytest.raises(ValueError, match="no tensor 'nope'"):
         served.sync_adapter("default", config, None, [("nope", torch.zeros(1))])
     # a PEFT model of another base: the plain names reach its wrapped layers' base weights
-    other = TransformersEngine(get_peft_model(_model(tok, 2), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])), tok)
+    other = TransformersEngine(get_peft_model(_model(tok, 2), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])),
+                               tok)
     other.sync_adapter("default", config, _parts(actor, "base"), _parts(actor, "adapter"))
     for name, p in actor.state_dict().items():
         assert torch.equal(other.model.state_dict()[name], p), name

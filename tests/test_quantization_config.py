@@ -149,7 +149,8 @@ def _bitsandbytes_imports() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.optional_backend
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA variant (tests/test_qlora.py trains QLoRA on the CPU)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the CUDA variant (tests/test_qlora.py trains QLoRA on the CPU)")
 def test_qlora_trains_only_the_adapters_on_a_4bit_base(tmp_path):
     pytest.importorskip("bitsandbytes")
     tok = build_char_tokenizer()

@@ -134,9 +134,9 @@ def _sync_adapter(actor: TrainingEngine, engine: RolloutEngine, bucket: int, sen
     from hf_verl.rollout.adapters import dequantized_base, is_lora_key
 
     if not getattr(engine, "accepts_adapters", False):
-        raise ValueError(f"weight_sync='adapter' needs a rollout engine that loads LoRA adapters (hf-verl serve through "
-                         f"the remote engine, the transformers engine); {type(engine).__name__} does not: set "
-                         "weight_sync='auto' (merged weights).")
+        raise ValueError(f"weight_sync='adapter' needs a rollout engine that loads LoRA adapters (hf-verl serve "
+                         f"through the remote engine, the transformers engine); {type(engine).__name__} does not: "
+                         "set weight_sync='auto' (merged weights).")
     model = unwrap_model(actor.model)
     if not hasattr(model, "peft_config"):
         raise ValueError(f"weight_sync='adapter' needs a PEFT LoRA actor (peft_config=...); the actor is a "
