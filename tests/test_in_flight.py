@@ -131,6 +131,27 @@ def test_grpo_masks_tokens_older_than_the_staleness_bound(tmp_path):
     assert served and all(h["rollout/stale_tokens_masked"] == 0.0 for h in served)  # within max_staleness=1
 
 
+@pytest.mark.slow
+def test_grpo_updates_land_in_flight_with_one_optimizer_step_per_round(tmp_path):
+    """The default `steps_per_generation` (one optimizer step per round): the weights of each step go into the
+    round generating meanwhile. (The update runs inside the optimizer step, before the Trainer counts it; it used to
+    compare the uncounted step with the copy's and skip every update.)"""
+    from tests.test_grpo_options import _train
+
+    tok = build_char_tokenizer()
+    model = _model(tok, 0)
+    # every forward without grad (generation) sleeps: a round's 24 decode forwards take far longer than a training
+    # step, so each optimizer step ends while the next round generates (the actor copy is a deep copy: it keeps the
+    # hook, and decodes through the model's forward)
+    model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else time.sleep(0.02))
+    _, logs, changed = _train(tmp_path, model=model, max_steps=4, use_async_rollout=True,
+                              in_flight_weight_updates=True, max_completion_length=24)
+    assert changed
+    landed = [h.get("rollout/in_flight_updates", 0.0) for h in logs]
+    assert sum(landed) >= 1, landed
+    assert max(h.get("rollout/token_version_spread", 0.0) for h in logs) >= 1
+
+
 def test_hf_verl_serve_takes_an_update_in_flight_and_reports_each_tokens_version():
     from hf_verl.rollout.remote import RemoteEngine
     from hf_verl.serve.server import RolloutServer

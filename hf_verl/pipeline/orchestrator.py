@@ -182,12 +182,18 @@ class RoundOrchestrator:
         """Whether weight updates land in running generations (`in_flight_weight_updates` with prefetching)."""
         return bool(getattr(self._host.settings, "in_flight_weight_updates", False)) and self.prefetching()
 
-    def in_flight_update(self) -> float | None:
+    def in_flight_update(self, step: int | None = None) -> float | None:
         """With `in_flight_weight_updates`, after each optimizer step: stream the actor's new weights into the
         engine background generations run on (the actor copy, or an engine with its own weights) now, even while
         one runs; the engine applies them between two decode steps, so unfinished completions continue under the
         new weights and every later token carries the new version. Called on every rank after every step (a
         sharded actor's export is collective). Returns the seconds spent streaming, None when nothing was sent.
+
+        Args:
+            step (`int`, *optional*): the optimizer step count the actor's weights now stand at; defaults to the
+                host's `global_step` (a caller that runs inside the optimizer step, before its front-end counts
+                the step, passes the count after it: otherwise the engine, synced at the start of this step, looks
+                current and the update never lands).
 
         Raises:
             ValueError: the engine cannot take weights while it generates (vLLM, a server).
@@ -195,7 +201,7 @@ class RoundOrchestrator:
         if not self.in_flight():
             return None
         h, prefetcher = self._host, self.prefetcher
-        actor, step = h.actor(), h.global_step()
+        actor, step = h.actor(), h.global_step() if step is None else step
         engine = prefetcher.copy_engine
         if engine is None and shares_actor_weights(h.engine(), actor):
             return None  # no prefetch has run yet: the first one makes the copy at the current weights

@@ -440,8 +440,10 @@ class OnPolicyTrainer(RolloutEvaluation, EngineTrainerMixin, Trainer):
         self.algorithm.end_step(self.dims)
 
     def _after_optimizer_step(self) -> None:
-        """With `in_flight_weight_updates`, the new weights go into the running background generation now."""
-        seconds = self._rounds.in_flight_update()
+        """With `in_flight_weight_updates`, the new weights go into the running background generation now (this
+        runs inside the optimizer step, before the Trainer counts it: the weights are those of step
+        `global_step + 1`)."""
+        seconds = self._rounds.in_flight_update(step=self.state.global_step + 1)
         if seconds is not None:
             self._metrics["timing_s/weight_sync"].append(seconds)
 
