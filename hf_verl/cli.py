@@ -33,9 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=None,
                       help="torch CPU threads (default: 1 for the built-in model, so that its figures do not depend on "
                            "the core count; torch's default with --model).")
-    demo.add_argument("--learning-rate", type=float, default=5e-4,
+    demo.add_argument("--learning-rate", type=float, default=None,
                       help="Peak learning rate of the RL phase (a linear rise over the first fifth of the steps, then "
-                           "a linear decay to 0; PPO's policy at half of it, its critic at it).")
+                           "a linear decay to 0; PPO's policy at half of it, its critic at it). Default 5e-4, "
+                           "2.5e-4 with an asynchronous --rollout.")
     demo.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (group size).")
     demo.add_argument("--prompts-per-step", type=int, default=16, help="Unique prompts per GRPO step.")
     demo.add_argument("--max-completion-length", type=int, default=6, help="Tokens per completion.")
@@ -156,6 +157,10 @@ def print_summary(result) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "demo":
+        # bitsandbytes (the `qlora` extra) warns at import on CPU machines without the optional `kernels` package,
+        # about 4-bit CPU kernels the demo never uses: keep it out of the first thing a user runs
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     if args.command == "serve":
         return run_serve(args)
     if args.command == "demo" and args.algo == "distill":

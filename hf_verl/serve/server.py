@@ -103,7 +103,7 @@ class RolloutServer(UvicornHost):
         dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()] if isinstance(model, torch.nn.Module) \
             else []
         self.weight_dtype = str(dtypes[0]).replace("torch.", "") if dtypes else None  # what delta sync casts to
-        if isinstance(engine, TransformersEngine):
+        if engine.supports_in_flight_updates:
             engine.tag_token_versions = True  # in-flight updates: each token's weight version (when asked)
         if isinstance(engine, TransformersEngine) and is_moe_model(engine.model):
             engine.record_routing = True  # an MoE's answers can carry their routing (return_routed_experts)
