@@ -181,8 +181,8 @@ def test_per_token_fields_sit_under_the_left_padded_prompt():
     assert mixed["pixel_values"].shape == (1, 3, 2, 2)  # a text-only row adds no image
     assert mixed["token_type_ids"].tolist() == [[0, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
     # Idefics3 keeps a row's images on dim 1: a one-image row beside a two-image row gets an all-zero second image
-    idefics = collate_vision_inputs([{"pixel_values": torch.ones(1, 1, 3, 2, 2)},
-                                     {"pixel_values": torch.ones(1, 2, 3, 2, 2)}], prompt_width=1, width=1, device="cpu")
+    rows = [{"pixel_values": torch.ones(1, 1, 3, 2, 2)}, {"pixel_values": torch.ones(1, 2, 3, 2, 2)}]
+    idefics = collate_vision_inputs(rows, prompt_width=1, width=1, device="cpu")
     assert idefics["pixel_values"].shape == (2, 2, 3, 2, 2)
     assert idefics["pixel_values"][0, 1].abs().sum() == 0 and idefics["pixel_values"][1].abs().min() == 1
 
@@ -295,11 +295,35 @@ def test_dpo_refuses_images_with_a_text_only_model_and_padding_free(tmp_path):
     with pytest.raises(ValueError, match="precompute_ref_log_probs.*not supported for vision datasets"):  # TRL's
         DPOTrainer(model=model, args=_dpo_args(tmp_path, precompute_ref_log_probs=True), train_dataset=_pairs(),
                    processing_class=processor)
+    with pytest.warns(FutureWarning, match="keep_end.*deprecated"):  # TRL 1.16's deprecation
+        keep_end = _dpo_args(tmp_path, truncation_mode="keep_end")
+    with pytest.raises(ValueError, match="truncation_mode='keep_end' is not supported for vision-language models"):
+        DPOTrainer(model=model, args=keep_end, train_dataset=_pairs(), processing_class=processor)
     tok = processor.tokenizer
     text_model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(ValueError, match="vision-related.*text-only.*vision-language model"):  # TRL's words too
         DPOTrainer(model=text_model, args=_dpo_args(tmp_path), train_dataset=_pairs(), processing_class=tok)
+
+
+def test_dpo_drops_image_pairs_whose_prompt_fills_max_length(tmp_path):
+    """As TRL: a pair whose prompt (image tokens included) alone fills `max_length` is dropped, never cut; the
+    others keep their whole prompt and lose their answers' ends."""
+    from hf_verl import DPOTrainer
+
+    model, processor = build_gemma3()
+    data = _pairs(2)
+    rows = [dict(data[0]), dict(data[1], prompt=[{"role": "user", "content": "what is a, and b, c, d, e, f and g?"}])]
+    short = DPOTrainer(model=model, args=_dpo_args(tmp_path, max_length=None), train_dataset=data,
+                       processing_class=processor).train_dataset[0]
+    cut = len(short["prompt_ids"]) + 2
+    trainer = DPOTrainer(model=model, args=_dpo_args(tmp_path, max_length=cut),
+                         train_dataset=Dataset.from_list(rows), processing_class=processor)
+    kept = trainer.train_dataset
+    assert len(kept) == 1 and kept[0]["prompt_ids"] == short["prompt_ids"]
+    assert kept[0]["chosen_ids"] == short["chosen_ids"][:2] and kept[0]["rejected_ids"] == short["rejected_ids"][:2]
+    with pytest.raises(ValueError, match="every train pair's prompt alone fills max_length=4"):
+        DPOTrainer(model=model, args=_dpo_args(tmp_path, max_length=4), train_dataset=data, processing_class=processor)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "idefics3"])

@@ -236,10 +236,11 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def tokenize_vision_pair(row: Mapping, processor: Any, max_length: int | None, index: int = 0) -> dict:
     """DPO's token columns of a preference row with images: the prompt rendered with its images by `processor`
     (image tokens expanded), and the chosen / rejected answers as the tokens after it in prompt + answer
-    (conversational rows: TRL's VLM format). `max_length` cuts the answers' ends (keep_start); a prompt is never cut.
+    (conversational rows: TRL's VLM format). `max_length` cuts the answers' ends (keep_start); a prompt is never cut:
+    a row whose prompt alone fills `max_length` gets empty answers, and DPO drops it with a warning (as TRL drops it).
 
     Raises:
-        ValueError: a row that is not conversational, or whose prompt alone reaches `max_length`.
+        ValueError: a row that is not conversational.
     """
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if not (is_conversational(prompt) and is_conversational(chosen) and is_conversational(rejected)):
@@ -258,10 +259,7 @@ def tokenize_vision_pair(row: Mapping, processor: Any, max_length: int | None, i
     n = min(_common_prefix(p, pc), _common_prefix(p, pr))
     chosen_ids, rejected_ids, truncated = pc[n:], pr[n:], False
     if max_length is not None and n + max(len(chosen_ids), len(rejected_ids)) > max_length:
-        room = max_length - n
-        if room <= 0:
-            raise ValueError(f"row {index}: its prompt has {n} tokens with its image tokens, max_length={max_length}: "
-                             "raise max_length (a prompt with images is not cut).")
+        room = max(max_length - n, 0)
         chosen_ids, rejected_ids, truncated = chosen_ids[:room], rejected_ids[:room], True
     return {"prompt_ids": p[:n], "chosen_ids": chosen_ids, "rejected_ids": rejected_ids, "truncated": truncated,
             "identical": chosen_ids == rejected_ids}

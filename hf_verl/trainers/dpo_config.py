@@ -12,6 +12,7 @@ departure as in GRPOConfig: `bf16=None` turns on only on bf16-capable CUDA. Addi
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,9 @@ class DPOConfig(ModelParallelArguments, ParallelArguments, TrainingArguments):
         self.pad_to_multiple_of = resolve_pad_to_multiple_of(self.pad_to_multiple_of)
         if self.pad_token is not None:
             logger.warning("pad_token is deprecated (TRL); set tokenizer.pad_token instead.")
+        if self.truncation_mode == "keep_end":  # TRL 1.16's deprecation, in its words
+            warnings.warn("The `'keep_end'` truncation mode is deprecated and will be removed in v2.0.0. Use "
+                          "`truncation_mode='keep_start'` (the default) instead.", FutureWarning, stacklevel=3)
         self._adopt_launch_cpu()
         self._resolve_model_parallel()
         super().__post_init__()

@@ -68,6 +68,9 @@ class DPOData(PreferenceData):
             logger.info("%d of %d %s pairs were truncated to max_length=%s (%s).", truncated, n, name,
                         args.max_length, args.truncation_mode)
         empty = [i for i, (c, r) in enumerate(zip(dataset["chosen_ids"], dataset["rejected_ids"])) if not c or not r]
+        if empty and len(empty) == n:
+            raise ValueError(f"every {name} pair's prompt alone fills max_length={args.max_length}, which would leave "
+                             "no completion token to train on: raise max_length (or set it to None).")
         if empty:
             logger.warning("dropping %d %s pairs whose prompt alone fills max_length=%s (first: row %d); raise "
                            "max_length or use truncation_mode='keep_end'.", len(empty), name, args.max_length, empty[0])

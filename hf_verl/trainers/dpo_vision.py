@@ -24,7 +24,9 @@ def refuse_vision_pairs(args: Any, backend: Any, dims: Any) -> None:
         (getattr(dims, "sp", 1) > 1,
          "Ulysses sequence parallelism splits rows that carry image features: set sequence_parallel_size=1"),
         (bool(args.padding_free), "pairs with images are scored padded: set padding_free=False"),
-        (args.truncation_mode != "keep_start", "a prompt with images is not cut: set truncation_mode='keep_start'"),
+        (args.truncation_mode != "keep_start" and args.max_length is not None,
+         ("truncation_mode='keep_end' is not supported for vision-language models (as in TRL): a prompt with images "
+          "is not cut. Set truncation_mode='keep_start' (the default) or max_length=None")),
         (bool(args.precompute_ref_log_probs),
          ("precompute_ref_log_probs=True is not supported for vision datasets (as in TRL): set "
           "precompute_ref_log_probs=False")),
