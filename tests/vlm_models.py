@@ -249,3 +249,19 @@ def build_idefics3(seed: int = 0):
     torch.manual_seed(seed)
     return _finish(Idefics3ForConditionalGeneration(_idefics_config(Idefics3Config, tok)), tok), processor
 
+
+
+def register_processors_without_video() -> None:
+    """Register the Qwen2-VL / Qwen2.5-VL processors without their video processor (:func:`without_video_processor`)
+    with `AutoProcessor`, so that one saved by :func:`build_qwen2_vl` / :func:`build_qwen2_5_vl` loads by
+    `AutoProcessor.from_pretrained` (the TRL-suite harness's offline hub: TRL's tests load processors by id)."""
+    from transformers import (
+        AutoProcessor,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLProcessor,
+        Qwen2VLConfig,
+        Qwen2VLProcessor,
+    )
+
+    for config_class, processor_class in ((Qwen2VLConfig, Qwen2VLProcessor), (Qwen2_5_VLConfig, Qwen2_5_VLProcessor)):
+        AutoProcessor.register(config_class, without_video_processor(processor_class), exist_ok=True)

@@ -13,10 +13,13 @@ This machine has no Hub, so :func:`build_hub` writes look-alikes that the real l
   The rows are written here from the Zen of Python (`import this`), with the columns and split sizes of TRL's
   (19 rows, `train` 17 / `test` 2).
 
-The `zen-image` data set (the conversational configs with a random image per row) is built, and the vision-language
-models whose processors load here (:data:`VISION_LMS`, built by `tests/vlm_models.py`: Gemma 3, LLaVA). The others (Qwen2-VL,
-Qwen2.5-VL, SmolVLM, ...: their processors build a video processor, which needs torchvision) are not: tests that load
-them fail on TRL as well and are reported as missing fixtures, not as hf_verl failures.
+The `zen-image` data set (the conversational configs with a random image per row) and `zen-multi-image` (0-3 images
+per row) are built, and the vision-language models whose processors build here (:data:`VISION_LMS`, built by
+`tests/vlm_models.py`: Gemma 3, LLaVA, Idefics3, and Qwen2-VL / Qwen2.5-VL with their processors saved without a
+video processor, registered with `AutoProcessor` by the conftest prelude :func:`processor_prelude`). The others
+(SmolVLM, Qwen3-VL, LLaVA-NeXT, Idefics2, Gemma 4: a video processor or torchvision needed, or a layout not written
+yet) are not: tests that load them fail on TRL as well and are reported as missing fixtures, not as hf_verl
+failures.
 """
 
 from __future__ import annotations
@@ -260,19 +263,41 @@ def build_model(model_type: str, family_name: str, overrides: dict, head: str, o
 
 # repo -> (builder in tests/vlm_models.py, its arguments)
 VISION_LMS = {"tiny-Gemma3ForConditionalGeneration": ("build_gemma3", {}),
-              "tiny-LlavaForConditionalGeneration": ("build_llava", {"vision_feature_layer": -2})}
+              "tiny-LlavaForConditionalGeneration": ("build_llava", {"vision_feature_layer": -2}),
+              "tiny-Qwen2VLForConditionalGeneration": ("build_qwen2_vl", {}),
+              "tiny-Qwen2_5_VLForConditionalGeneration": ("build_qwen2_5_vl", {}),
+              "tiny-Idefics3ForConditionalGeneration": ("build_idefics3", {})}
+VLM_MODELS = Path(__file__).resolve().parents[1] / "vlm_models.py"
+
+
+def _vlm_models():
+    """tests/vlm_models.py, imported by path (the harness runs outside the repository's package layout)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vlm_models", VLM_MODELS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def processor_prelude() -> str:
+    """Conftest prelude registering the Qwen2-VL / Qwen2.5-VL fixtures' processors with `AutoProcessor`: they are
+    saved without a video processor (which needs torchvision, not importable here), under a class name of their
+    own (`Qwen2VLProcessorWithoutVideo`, ...) that only this registration resolves. Applied to both sides alike."""
+    return ("# trl_suite: the tiny Qwen2-VL / Qwen2.5-VL processors have no video processor (no torchvision here)\n"
+            "import importlib.util as _trl_suite_vlm_util\n"
+            "_trl_suite_spec = _trl_suite_vlm_util.spec_from_file_location(\n"
+            f"    'trl_suite_vlm_models', {str(VLM_MODELS)!r})\n"
+            "_trl_suite_vlm = _trl_suite_vlm_util.module_from_spec(_trl_suite_spec)\n"
+            "_trl_suite_spec.loader.exec_module(_trl_suite_vlm)\n"
+            "_trl_suite_vlm.register_processors_without_video()\n\n")
 
 
 def build_vision_model(builder: str, kwargs: dict, out_dir: Path) -> None:
     """Save a tiny bfloat16 vision-language model and its processor (`tests/vlm_models.py`'s `builder`)."""
-    import importlib.util
-
     import torch
 
-    spec = importlib.util.spec_from_file_location("vlm_models", Path(__file__).resolve().parents[1] / "vlm_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    model, processor = getattr(module, builder)(**kwargs)
+    model, processor = getattr(_vlm_models(), builder)(**kwargs)
     model.to(torch.bfloat16).save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
     model.generation_config.save_pretrained(out_dir)
@@ -434,6 +459,42 @@ def zen_image_configs() -> dict[str, tuple[dict[str, list], object]]:
     return out
 
 
+# images per row of TRL's `zen-multi-image` (scripts/generate_zen_multi_image_dataset.py): 0 to 3
+MULTI_IMAGE_COUNTS = [1, 1, 2, 2, 1, 1, 2, 0, 2, 3, 1, 1, 3, 0, 1, 1, 1, 1, 0]
+
+
+def zen_multi_image_configs() -> dict[str, tuple[dict[str, list], object]]:
+    """`zen-multi-image`: the conversational prompt-only and preference configs with 0-3 random RGB images per row
+    (an `images` list, 32-63 pixels a side) and messages of typed parts, the user turn's `{"type": "image"}`
+    placeholders around its text as in TRL's data set, as (columns, features)."""
+    import numpy as np
+    from datasets import Features, Image, List, Value
+    from PIL import Image as PILImage
+
+    message = List({"content": List({"text": Value("string"), "type": Value("string")}), "role": Value("string")})
+    rng = np.random.default_rng(1)
+    zen = zen_configs()["conversational_preference"]
+    prompts, images = [], []
+    for i, (turn, n) in enumerate(zip(zen["prompt"], MULTI_IMAGE_COUNTS)):
+        before = i % (n + 1)  # some placeholders before the text, the rest after it
+        parts = ([{"type": "image", "text": None}] * before + [{"type": "text", "text": turn[0]["content"]}]
+                 + [{"type": "image", "text": None}] * (n - before))
+        prompts.append([{"role": "user", "content": parts}])
+        images.append([PILImage.fromarray(rng.integers(0, 256, size=(*rng.integers(32, 64, size=2), 3),
+                                                       dtype=np.uint8)) for _ in range(n)])
+
+    def typed(messages):
+        return [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages]
+
+    chosen, rejected = [typed(m) for m in zen["chosen"]], [typed(m) for m in zen["rejected"]]
+    return {"conversational_prompt_only": ({"prompt": prompts, "images": images},
+                                           Features({"prompt": message, "images": List(Image())})),
+            "conversational_preference": ({"prompt": prompts, "chosen": chosen, "rejected": rejected,
+                                           "images": images},
+                                          Features({"prompt": message, "chosen": message, "rejected": message,
+                                                    "images": List(Image())}))}
+
+
 def write_cached_dataset(datasets_dir: Path, repo: str, config_name: str, columns: dict[str, list],
                          features=None) -> None:
     """Write `columns` as the datasets-library cache of `ORG/repo` (config `config_name`), split 17 / 2 like TRL's."""
@@ -506,7 +567,9 @@ def build_hub(root: Path, log=print) -> Path:
     write_cached_dataset(datasets_dir, "harmony", "preference", harmony_preference())
     for config_name, (columns, features) in zen_image_configs().items():
         write_cached_dataset(datasets_dir, "zen-image", config_name, columns, features)
-    log(f"datasets: zen ({len(zen_configs())} configs), zen-image, toolcall, harmony")
+    for config_name, (columns, features) in zen_multi_image_configs().items():
+        write_cached_dataset(datasets_dir, "zen-multi-image", config_name, columns, features)
+    log(f"datasets: zen ({len(zen_configs())} configs), zen-image, zen-multi-image, toolcall, harmony")
     try:
         staging.rename(hf_home)
     except OSError:  # another run finished the same build first

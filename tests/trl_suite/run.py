@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from hub_fixtures import build_hub, offline_env  # noqa: E402
+from hub_fixtures import build_hub, offline_env, processor_prelude  # noqa: E402
 
 DEFAULT_TRL_SRC = "/work/.mirror/huggingface+trl/repo"
 SUPPORT_FILES = ["__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py"]
@@ -154,7 +154,8 @@ def lay_out(src: TrlSource, suite: str, target: str, root: Path) -> list[str]:
     tests = root / "tests"
     tests.mkdir(parents=True)
     support = {name: src.read(f"tests/{name}") if src.exists(f"tests/{name}") else "" for name in SUPPORT_FILES}
-    support["conftest.py"] = availability_shims(list(support.values())) + support["conftest.py"]
+    support["conftest.py"] = (availability_shims(list(support.values())) + processor_prelude()
+                              + support["conftest.py"])
     for name, text in support.items():
         (tests / name).write_text(text)
     for rel in src.list_dir("tests/data"):
