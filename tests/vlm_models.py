@@ -138,18 +138,19 @@ QWEN_IMAGE_TOKENS = {"vision_start_token": "<|vision_start|>", "image_token": "<
                      "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>"}
 
 
-def _qwen_processor(processor_class: type):
-    """A Qwen-VL processor (`processor_class` without its video processor) over the character-level tokenizer, with
-    Qwen2-VL's PIL image processor at 56x56 pixels (a 4x4 patch grid: 4 image tokens after the 2x2 merge)."""
+def _qwen_processor(processor_class: type, tokenizer=None, chat_template: str | None = None):
+    """A Qwen-VL processor (`processor_class` without its video processor) over the character-level tokenizer (or
+    `tokenizer`, which must have Qwen's vision tokens as `image_token`, ... attributes, and its `chat_template`),
+    with Qwen2-VL's PIL image processor at 56x56 pixels (a 4x4 patch grid: 4 image tokens after the 2x2 merge)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    tok = build_vlm_tokenizer(QWEN_IMAGE_TOKENS)
+    tok = tokenizer if tokenizer is not None else build_vlm_tokenizer(QWEN_IMAGE_TOKENS)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
     return without_video_processor(processor_class)(
         image_processor=image_processor, tokenizer=tok,
-        chat_template=VLM_TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"))
+        chat_template=chat_template or VLM_TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"))
 
 
 def _qwen_text_config(tok) -> dict:
@@ -171,16 +172,17 @@ def _finish(model, tok):
     return model
 
 
-def build_qwen2_vl(seed: int = 0):
+def build_qwen2_vl(seed: int = 0, tokenizer=None, chat_template: str | None = None):
     """A tiny Qwen2-VL (text hidden 64 with multimodal RoPE sections [2, 3, 3], a 2-layer vision tower) and its
-    `Qwen2VLProcessor` (without its video processor: :func:`without_video_processor`)."""
+    `Qwen2VLProcessor` (without its video processor: :func:`without_video_processor`); `tokenizer` and
+    `chat_template` replace the character-level ones (:func:`_qwen_processor`)."""
     from transformers import (
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLProcessor,
     )
 
-    processor = _qwen_processor(Qwen2VLProcessor)
+    processor = _qwen_processor(Qwen2VLProcessor, tokenizer, chat_template)
     tok = processor.tokenizer
     config = Qwen2VLConfig(
         text_config=_qwen_text_config(tok),
@@ -191,7 +193,7 @@ def build_qwen2_vl(seed: int = 0):
     return _finish(Qwen2VLForConditionalGeneration(config), tok), processor
 
 
-def build_qwen2_5_vl(seed: int = 0):
+def build_qwen2_5_vl(seed: int = 0, tokenizer=None, chat_template: str | None = None):
     """A tiny Qwen2.5-VL (Qwen2-VL's text model; a 2-layer windowed vision tower, the first layer windowed, the
     second full) and its `Qwen2_5_VLProcessor` (without its video processor)."""
     from transformers import (
@@ -200,7 +202,7 @@ def build_qwen2_5_vl(seed: int = 0):
         Qwen2_5_VLProcessor,
     )
 
-    processor = _qwen_processor(Qwen2_5_VLProcessor)
+    processor = _qwen_processor(Qwen2_5_VLProcessor, tokenizer, chat_template)
     tok = processor.tokenizer
     config = Qwen2_5_VLConfig(
         text_config=_qwen_text_config(tok),

@@ -87,6 +87,20 @@ FAMILIES: dict[str, dict] = {
                   eos="<|im_end|>", pad="<|pad|>"),
 }
 FAMILIES["lfm2_2_5"] = dict(FAMILIES["lfm2"], template="lfm2_2_5")
+# Qwen2-VL / Qwen2.5-VL: ChatML whose messages hold a string or typed parts, an image part rendered as Qwen's
+# vision tokens (the processor expands `<|image_pad|>` to the image's merged patches)
+QWEN_VL_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' }}{%- if m['content'] is string %}"
+    "{{- m['content'] }}{%- else %}{%- for p in m['content'] %}{%- if p['type'] == 'image' %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- else %}{{- p['text'] }}{%- endif %}{%- endfor %}"
+    "{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+QWEN_VISION_TOKENS = {"vision_start_token": "<|vision_start|>", "image_token": "<|image_pad|>",
+                      "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>"}
+FAMILIES["qwen2_vl"] = dict(template=QWEN_VL_TEMPLATE, specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                                                 *QWEN_VISION_TOKENS.values()],
+                            eos="<|im_end|>", pad="<|endoftext|>", generation_eos=["<|im_end|>", "<|endoftext|>"])
 
 
 def zen_lines() -> list[str]:
@@ -262,10 +276,12 @@ def build_model(model_type: str, family_name: str, overrides: dict, head: str, o
 
 
 # repo -> (builder in tests/vlm_models.py, its arguments)
+# (the Qwen ones with a byte-level BPE tokenizer, as TRL's have, so that prompts have about the lengths TRL's tests
+# expect: TRL's test_train_vlm_with_max_length cuts a 38-token pair at 37 tokens)
 VISION_LMS = {"tiny-Gemma3ForConditionalGeneration": ("build_gemma3", {}),
               "tiny-LlavaForConditionalGeneration": ("build_llava", {"vision_feature_layer": -2}),
-              "tiny-Qwen2VLForConditionalGeneration": ("build_qwen2_vl", {}),
-              "tiny-Qwen2_5_VLForConditionalGeneration": ("build_qwen2_5_vl", {}),
+              "tiny-Qwen2VLForConditionalGeneration": ("build_qwen2_vl", {"tokenizer": "qwen2_vl"}),
+              "tiny-Qwen2_5_VLForConditionalGeneration": ("build_qwen2_5_vl", {"tokenizer": "qwen2_vl"}),
               "tiny-Idefics3ForConditionalGeneration": ("build_idefics3", {})}
 VLM_MODELS = Path(__file__).resolve().parents[1] / "vlm_models.py"
 
@@ -297,6 +313,14 @@ def build_vision_model(builder: str, kwargs: dict, out_dir: Path) -> None:
     """Save a tiny bfloat16 vision-language model and its processor (`tests/vlm_models.py`'s `builder`)."""
     import torch
 
+    if "tokenizer" in kwargs:  # a tokenizer family of FAMILIES, with its vision tokens as named attributes
+        family = kwargs["tokenizer"]
+        tokenizer = build_tokenizer(family)
+        tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VISION_TOKENS.values())})
+        for name, token in QWEN_VISION_TOKENS.items():
+            setattr(tokenizer, name, token)
+            setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(token))
+        kwargs = dict(kwargs, tokenizer=tokenizer, chat_template=FAMILIES[family]["template"])
     model, processor = getattr(_vlm_models(), builder)(**kwargs)
     model.to(torch.bfloat16).save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
