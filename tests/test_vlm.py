@@ -76,10 +76,8 @@ def test_grpo_rollout_logprobs_are_the_training_forwards_and_depend_on_the_image
     assert (moved[mask] - logp[mask]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("trainer_name, family", [
-    ("GRPOTrainer", "gemma3"), ("RLOOTrainer", "gemma3"), ("GRPOTrainer", "llava"), ("GRPOTrainer", "qwen2_vl"),
-    ("RLOOTrainer", "qwen2_vl"), ("GRPOTrainer", "qwen2_5_vl"), ("RLOOTrainer", "qwen2_5_vl"),
-    ("GRPOTrainer", "idefics3"), ("RLOOTrainer", "idefics3")])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "RLOOTrainer"])
 def test_a_few_steps_train_every_parameter(tmp_path, trainer_name, family):
     import hf_verl
 
@@ -246,7 +244,7 @@ def _dpo_args(tmp_path, **overrides):
     return DPOConfig(**settings)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "qwen2_5_vl", "idefics3"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_dpo_on_image_pairs_trains_and_its_logprobs_depend_on_the_image(tmp_path, family):
     from hf_verl import DPOTrainer
     from hf_verl.data.vision import (
@@ -280,7 +278,8 @@ def test_dpo_on_image_pairs_trains_and_its_logprobs_depend_on_the_image(tmp_path
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3 and logs[-1]["loss"] < logs[0]["loss"]  # the preference is learned
-    assert [n for n, p in model.named_parameters() if torch.equal(p, before[n])] == []
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert [n for n in unchanged if not any(u in n for u in UNUSED[family])] == []
 
 
 def test_dpo_refuses_images_with_a_text_only_model_and_padding_free(tmp_path):
@@ -326,7 +325,7 @@ def test_dpo_drops_image_pairs_whose_prompt_fills_max_length(tmp_path):
         DPOTrainer(model=model, args=_dpo_args(tmp_path, max_length=4), train_dataset=data, processing_class=processor)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "idefics3"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_facade_trains_on_image_rows_with_the_processor_as_tokenizer(family):
     from hf_verl import Trainer
 
@@ -342,7 +341,8 @@ def test_the_facade_trains_on_image_rows_with_the_processor_as_tokenizer(family)
         mask = rollout.completion_mask.bool()
         torch.testing.assert_close(rollout.old_logprobs[mask], rollout.sampling_logprobs[mask], atol=1e-5, rtol=0)
         trainer.step(trainer.compute_loss(rollout))
-    assert [n for n, p in model.named_parameters() if torch.equal(p, before[n])] == []
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert [n for n in unchanged if not any(u in n for u in UNUSED[family])] == []
     text_only = Trainer(actor_model=model, reward_model=_length_reward, tokenizer=processor.tokenizer, config=config)
     with pytest.raises(ValueError, match="no image processor"):
         text_only.rollout(rows)
