@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "the core count; torch's default with --model).")
     demo.add_argument("--learning-rate", type=float, default=None,
                       help="Peak learning rate of the RL phase (a linear rise over the first fifth of the steps, then "
-                           "a linear decay to 0; PPO's policy at half of it, its critic at it). Default 5e-4, "
-                           "2.5e-4 with an asynchronous --rollout.")
+                           "a linear decay to 0; PPO's policy at half of it, its critic at it). Default 5e-4; for GRPO "
+                           "with an asynchronous --rollout 2.5e-4.")
     demo.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (group size).")
     demo.add_argument("--prompts-per-step", type=int, default=16, help="Unique prompts per GRPO step.")
     demo.add_argument("--max-completion-length", type=int, default=6, help="Tokens per completion.")

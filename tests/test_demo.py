@@ -44,6 +44,23 @@ def test_unknown_algo_is_refused():
         run_demo("/tmp/unused", algo="sft")
 
 
+def test_asynchronous_rollout_modes_take_half_the_learning_rate(tmp_path):
+    """The demo's recipe for stale rounds (docs/rollout.md): GRPO at half the peak rate, unless one is given; DPO
+    has no rounds to generate and refuses the option."""
+    import json
+
+    from hf_verl.demo.entry import run_demo
+
+    tiny = {"max_steps": 2, "warmup_max_steps": 1, "prompts_per_step": 2, "num_generations": 2, "disable_tqdm": True}
+    partial = run_demo(str(tmp_path), algo="grpo", rollout="partial", **tiny)
+    given = run_demo(str(tmp_path), algo="grpo", rollout="async", learning_rate=1e-4, **tiny)
+    rates = [json.loads(Path(r.files[-1]).read_text())["recipe"]["learning_rate"] for r in (partial, given)]
+    assert rates == [2.5e-4, 1e-4]
+    assert partial.rl_steps == 2
+    with pytest.raises(ValueError, match=r"--rollout async is for --algo grpo\|ppo"):
+        run_demo(str(tmp_path), algo="dpo", rollout="async")
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A whole demo run, shrunk to seconds (2 GRPO steps of 2 prompts x 2 completions, a 1-step warm-up)."""
