@@ -30,35 +30,48 @@ def _model(tok, seed):
                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
 
 
-def update_while_held(served: TransformersEngine, held: int, generate, update):
-    """Run `generate()` in a thread, hold the `served` engine's model inside forward number `held`, start `update()`
-    in another thread, wait until that update waits at the engine's turnstile (so it must land right after the held
-    forward), then release both; returns what `generate()` returned."""
-    reached, release, forwards, result = threading.Event(), threading.Event(), [0], {}
+def hold_forward(model, held: int):
+    """A forward hook that holds `model` inside its forward number `held` (the weights lock is then held); returns
+    `(reached, release, remove)`: an event set once it holds, the event that releases it, and the hook's remover."""
+    reached, release, forwards = threading.Event(), threading.Event(), [0]
 
-    def hold(_module, _args, _out):  # inside the forward: the weights lock is held
+    def hold(_module, _args, _out):
         forwards[0] += 1
         if forwards[0] == held:
             reached.set()
-            assert release.wait(30)
+            assert release.wait(60)
 
-    hook = served.model.register_forward_hook(hold)
+    return reached, release, model.register_forward_hook(hold).remove
+
+
+def land_update_while_held(engine, hold, generate, update):
+    """Run `generate()` in a thread until `hold` (a `(reached, release, remove)` triple) holds the engine inside a
+    step, start `update()` in another thread, wait until that update waits at the engine's turnstile (so it must
+    land right after the held step), then release both; returns what `generate()` returned."""
+    reached, release, remove = hold
+    result = {}
     try:
         worker = threading.Thread(target=lambda: result.update(out=generate()))
         worker.start()
-        assert reached.wait(30)
+        assert reached.wait(60)
         updating = threading.Thread(target=update)
         updating.start()
-        deadline = time.time() + 30
-        while not served._turnstile.locked():
+        deadline = time.time() + 60
+        while not engine._turnstile.locked():
             assert time.time() < deadline
             time.sleep(0.001)
         release.set()
-        updating.join(30)
-        worker.join(30)
+        updating.join(60)
+        worker.join(60)
     finally:
-        hook.remove()
+        release.set()
+        remove()
     return result["out"]
+
+
+def update_while_held(served: TransformersEngine, held: int, generate, update):
+    """:func:`land_update_while_held` with `served`'s model held inside forward number `held`."""
+    return land_update_while_held(served, hold_forward(served.model, held), generate, update)
 
 
 @pytest.mark.parametrize("held", [1, 4])

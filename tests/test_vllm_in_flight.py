@@ -26,6 +26,7 @@ import torch
 from hf_verl.rollout.base import SamplingParams
 from hf_verl.rollout.hf_engine import TransformersEngine
 from tests.conftest import build_char_tokenizer
+from tests.test_in_flight import land_update_while_held
 
 pytestmark = [pytest.mark.slow, pytest.mark.optional_backend]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
@@ -62,27 +63,9 @@ def hold_step(engine, held: int):
 
 
 def update_while_held(engine, held: int, generate, update):
-    """Run `generate()` in a thread, hold vLLM inside engine step `held`, start `update()` and wait until it waits at
-    the engine's turnstile (so it lands right after that step), then release; returns what `generate()` returned."""
-    reached, release, remove = hold_step(engine, held)
-    result = {}
-    try:
-        worker = threading.Thread(target=lambda: result.update(out=generate()))
-        worker.start()
-        assert reached.wait(60)
-        updating = threading.Thread(target=update)
-        updating.start()
-        deadline = time.time() + 60
-        while not engine._turnstile.locked():
-            assert time.time() < deadline
-            time.sleep(0.001)
-        release.set()
-        updating.join(60)
-        worker.join(60)
-    finally:
-        release.set()
-        remove()
-    return result["out"]
+    """Hold vLLM inside engine step `held` and land `update()` right after it, while `generate()` runs
+    (:func:`tests.test_in_flight.land_update_while_held`); returns what `generate()` returned."""
+    return land_update_while_held(engine, hold_step(engine, held), generate, update)
 
 
 @pytest.fixture(scope="module")
