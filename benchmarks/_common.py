@@ -41,6 +41,22 @@ class StepTimer(TrainerCallback):
             self.steps += 1
 
 
+def json_objects(text: str) -> list:
+    """Every JSON object printed in `text`, also where ranks sharing one pipe wrote theirs on the same line."""
+    import json
+
+    decoder, found, i = json.JSONDecoder(), [], text.find("{")
+    while i != -1:
+        try:
+            obj, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            i = text.find("{", i + 1)
+            continue
+        found.append(obj)
+        i = text.find("{", end)
+    return found
+
+
 def current_rss_mib():
     """Resident set size now (Linux ``/proc``), in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():

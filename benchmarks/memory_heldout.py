@@ -169,7 +169,9 @@ def measure(name: str, steps: int) -> list[int]:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line)["peak"] for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
+    from _common import json_objects
+
+    return [obj["peak"] for obj in json_objects(proc.stdout) if "rank" in obj and "peak" in obj]
 
 
 def predict(name: str, steps: int = 3):

@@ -196,7 +196,9 @@ def measure(name: str, steps: int, baseline: bool = False, device: str = "cpu") 
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line)["peak"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    from _common import json_objects
+
+    return [obj["peak"] for obj in json_objects(proc.stdout) if "peak" in obj]
 
 
 def predict(name: str):
