@@ -91,6 +91,7 @@ def test_direct_steps_equal_the_models_forward(family, dtype):
     # a forward asking for hidden states (as the trainers' log-prob forwards do) makes transformers install its
     # output-capturing hooks, inactive outside such forwards: they do not count
     model(input_ids=torch.tensor([[1, 2]]), output_hidden_states=True)
+    model.enable_input_require_grads()  # as gradient checkpointing does (TRL's default): inert without grad
     assert any(m._forward_hooks for m in model.modules())
     assert unsupported_reason(model) is None
     reference, direct = decode_both(model, dtype)

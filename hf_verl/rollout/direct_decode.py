@@ -33,9 +33,17 @@ FAMILIES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCau
             "Qwen3ForCausalLM": True}
 
 
-# transformers' own output-capturing hooks (installed on the first forward): they record only inside a forward that
-# asks for hidden states or attentions, never in a direct step, so they do not count as hooks here
+# transformers' own hooks that do not change a no-grad decode step, so they do not count as hooks here: its
+# output-capturing hooks (installed on the first forward that asks for hidden states; they record only inside such a
+# forward) and the hook gradient checkpointing puts on the input embeddings (TRL's default `gradient_checkpointing=True`;
+# it marks the embeddings' output as requiring grad, which a forward without grad ignores)
 _TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
+_INPUT_REQUIRES_GRAD = ("transformers.modeling_utils", "make_inputs_require_grads")
+
+
+def _inert(hook) -> bool:
+    module, name = getattr(hook, "__module__", None), getattr(hook, "__qualname__", "")
+    return module == _TRANSFORMERS_CAPTURE or (module, name.rsplit(".", 1)[-1]) == _INPUT_REQUIRES_GRAD
 
 
 def _has_hooks(model: nn.Module) -> bool:
@@ -43,7 +51,7 @@ def _has_hooks(model: nn.Module) -> bool:
 
     if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
         return True
-    return any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE
+    return any(not _inert(hook)
                for m in model.modules() for hooks in (m._forward_hooks, m._forward_pre_hooks) for hook in hooks.values())
 
 
