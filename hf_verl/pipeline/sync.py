@@ -100,19 +100,6 @@ def sync_weights(actor: TrainingEngine, engine: RolloutEngine) -> float:
 _ADAPTER_SENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> adapter created on it
 
 
-def _json_safe(value):
-    if isinstance(value, (set, frozenset, tuple)):
-        return sorted(_json_safe(v) for v in value) if isinstance(value, (set, frozenset)) else [
-            _json_safe(v) for v in value]
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if hasattr(value, "value") and not isinstance(value, (int, float, str, bool)):  # an enum
-        return value.value
-    return value
-
-
 def holds_adapter_base(engine: RolloutEngine, name: str) -> None:
     """Record that `engine` already holds the actor's base weights and its LoRA adapter `name` (asynchronous
     rollout's copy of a PEFT actor, made in this process with its adapters unmerged): its adapter-only syncs send the
@@ -131,7 +118,7 @@ def _sync_adapter(actor: TrainingEngine, engine: RolloutEngine, bucket: int, sen
             weights other than its adapters (`modules_to_save`: they would never reach the engine).
     """
     from hf_verl.parallel.weight_export import unwrap_model
-    from hf_verl.rollout.adapters import dequantized_base, is_lora_key
+    from hf_verl.rollout.adapters import dequantized_base, is_lora_key, lora_config_dict
 
     if not getattr(engine, "accepts_adapters", False):
         raise ValueError(f"weight_sync='adapter' needs a rollout engine that loads LoRA adapters (hf-verl serve "
@@ -147,7 +134,7 @@ def _sync_adapter(actor: TrainingEngine, engine: RolloutEngine, bucket: int, sen
         raise ValueError(f"weight_sync='adapter' sends the LoRA tensors only, but the actor also trains {trained[:3]} "
                          "(modules_to_save?): set weight_sync='auto' (merged weights), or train the adapters alone.")
     name = model.active_adapter
-    config = _json_safe({k: v for k, v in model.peft_config[name].to_dict().items() if v is not None})
+    config = lora_config_dict(model, name)
     first = engine not in _ADAPTER_SENT
     sent = {"adapter_bytes": 0, "base_bytes": 0}
 

@@ -51,6 +51,24 @@ def base_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _json_safe(value):
+    if isinstance(value, (set, frozenset)):
+        return sorted(_json_safe(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if hasattr(value, "value") and not isinstance(value, (int, float, str, bool)):  # an enum
+        return value.value
+    return value
+
+
+def lora_config_dict(model: torch.nn.Module, name: str) -> dict:
+    """PEFT adapter `name`'s config of `model` as a JSON-safe dict (what an adapter sync sends and an
+    `adapter_config.json` holds): unset fields dropped, sets as sorted lists, enums as their values."""
+    return _json_safe({k: v for k, v in model.peft_config[name].to_dict().items() if v is not None})
+
+
 def lora_config(config: dict):
     """A `peft.LoraConfig` for inference from `config` (its `to_dict()`, as sent by the trainer); keys this peft
     version does not take are dropped (logged)."""

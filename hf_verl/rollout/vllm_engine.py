@@ -154,9 +154,10 @@ class VLLMEngine(RolloutEngine):
         engine._tmpdir = tmp
         if rank is not None:  # the base unmerged and the actor's adapter in vLLM's slot from the first request on
             from hf_verl.parallel.weight_export import iter_weight_buckets, unwrap_model
+            from hf_verl.rollout.adapters import lora_config_dict
 
             plain = unwrap_model(model)
-            config = json.loads(json.dumps(plain.peft_config[plain.active_adapter].to_dict(), default=_json_default))
+            config = lora_config_dict(plain, plain.active_adapter)
             adapter = (pair for bucket in iter_weight_buckets(model, lora="adapter") for pair in bucket)
             with engine._exclusive():
                 engine._load_adapter(plain.active_adapter, config, adapter)
@@ -370,13 +371,6 @@ def adapter_rank(model) -> int | None:
         return None
     config = configs[plain.active_adapter]
     return max([int(config.r), *map(int, (getattr(config, "rank_pattern", None) or {}).values())])
-
-
-def _json_default(value):
-    """JSON for a LoraConfig's non-JSON fields: sets as sorted lists, enums as their values."""
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    return getattr(value, "value", str(value))
 
 
 def lora_rank_for(rank: int) -> int:
