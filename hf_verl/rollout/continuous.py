@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_verl.rollout.base import SamplingParams
-from hf_verl.rollout.direct_decode import DirectDecoder, pad_left, unsupported_reason
+from hf_verl.rollout.direct_decode import DirectDecoder, pad_left
 from hf_verl.rollout.sampling import sample_next
 
 logger = logging.getLogger(__name__)
@@ -190,10 +190,8 @@ class ContinuousDecoder:
             version = engine.weight_version
             out = engine.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                logits_to_keep=1)
-        cache = out.past_key_values
-        if engine.direct_decode and unsupported_reason(engine.model) is None:  # steps straight from the weights
-            cache = DirectDecoder(engine.model, cache, mask, max(call.sampling.max_new_tokens for call, _ in admitted),
-                                  grow=True)
+        room = max(call.sampling.max_new_tokens for call, _ in admitted)
+        cache = engine._direct_decoder(out.past_key_values, mask, room, grow=True) or out.past_key_values
         new = _Live(list(admitted), cache, mask, positions[:, -1], out.logits[:, -1].float(),
                     [version] * len(admitted))
         return new if live is None else _merge(live, new)

@@ -393,8 +393,9 @@ class TransformersEngine(RolloutEngine):
             logits, cache = out.logits[:, -1].float(), out.past_key_values
         return torch.stack(step_ids, dim=1), torch.stack(step_lps, dim=1)
 
-    def _direct_decoder(self, cache, mask, max_new_tokens: int) -> DirectDecoder | None:
-        """The direct decoder for this generation's steps, or `None` when the model's forward runs them."""
+    def _direct_decoder(self, cache, mask, max_new_tokens: int, grow: bool = False) -> DirectDecoder | None:
+        """The direct decoder for the steps after this prefill (`grow`: the continuous loop's, whose rows come and
+        go), or `None` when the model's forward runs them."""
         if not self.direct_decode:
             return None
         reason = unsupported_reason(self.model)
@@ -403,7 +404,7 @@ class TransformersEngine(RolloutEngine):
                 logger.info("decode steps run %s's own forward: %s", type(self.model).__name__, reason)
                 self._direct_declined = reason
             return None
-        return DirectDecoder(self.model, cache, mask, max_new_tokens)
+        return DirectDecoder(self.model, cache, mask, max_new_tokens, grow=grow)
 
     def _prefill(self, input_ids, mask, position_ids):
         """Prompt forward, once per distinct prompt (GRPO groups repeat each prompt): the KV cache

@@ -110,7 +110,7 @@ def check_quantized_run(model: Any, load_kwargs: dict, peft_config: Any, args: A
         raise ValueError("placement['generator'] with a quantized base needs weight_sync='adapter': a merged sync "
                          "would merge the adapters into packed k-bit weights. With adapter-only sync the server gets "
                          "the base once, dequantized, and then the adapters only.")
-    if getattr(args, "use_async_rollout", False) and getattr(args, "weight_sync", None) != "adapter":
+    if getattr(args, "use_async_rollout", False) and not adapters:
         raise ValueError("use_async_rollout=True with a quantized base needs weight_sync='adapter': asynchronous "
                          "rollout generates on a copy of the actor, and only adapter-only sync keeps it in step "
                          "without merging the adapters into packed k-bit weights.")
